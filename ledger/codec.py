@@ -1,0 +1,191 @@
+"""Avro single-object encoding of the two transition records, and the conversion between Avro
+dicts and domain events. This is the only module that knows the wire format.
+
+Wire format (Avro specification, "Single object encoding"): ``C3 01`` + the 8-byte little-endian
+CRC-64-AVRO fingerprint of the writer schema's Parsing Canonical Form + the Avro binary body. Every
+record therefore names its schema without a registry server; the reader resolves the fingerprint
+against the schemas shipped in ``schemas/`` (current ones and ``schemas/archive/`` for older
+versions) and reads with today's schema, so old events keep reading as fields are added.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from fastavro.schema import to_parsing_canonical_form
+from pydantic import ValidationError
+
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
+
+MARKER = b"\xc3\x01"
+HEADER_LENGTH = len(MARKER) + 8
+EXECUTION_RECORD = "opledger.v1.ExecutionTransitioned"
+DELIVERY_RECORD = "opledger.v1.DeliveryTransitioned"
+
+_CRC64_EMPTY = 0xC15D213AA4D7A795
+
+
+def _crc64_table() -> list[int]:
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (_CRC64_EMPTY & -(fp & 1))
+        table.append(fp)
+    return table
+
+
+_CRC64_TABLE = _crc64_table()
+
+
+def crc64_avro(data: bytes) -> int:
+    """The Rabin fingerprint the Avro specification calls CRC-64-AVRO."""
+    fp = _CRC64_EMPTY
+    for byte in data:
+        fp = (fp >> 8) ^ _CRC64_TABLE[(fp ^ byte) & 0xFF]
+    return fp
+
+
+class DecodeError(ValueError):
+    """A record that is not a valid opledger event. ``reason`` goes into the dead-letter headers."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Schema:
+    name: str
+    parsed: Any
+    fingerprint: bytes
+    source: Path
+
+
+def schema_dirs() -> list[Path]:
+    """Where the .avsc files live: the repository's ``schemas/`` or the copy inside the wheel."""
+    here = Path(__file__).resolve()
+    candidates = [here.parents[1] / "schemas", here.parent / "schemas"]
+    return [p for p in candidates if p.is_dir()]
+
+
+def _load(path: Path) -> _Schema:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    parsed = fastavro.parse_schema(raw, _write_hint=False)
+    canonical = to_parsing_canonical_form(raw).encode("utf-8")
+    fingerprint = crc64_avro(canonical).to_bytes(8, "little")
+    return _Schema(name=parsed["name"], parsed=parsed, fingerprint=fingerprint, source=path)
+
+
+class Codec:
+    """Encodes domain events and decodes any known writer version of them."""
+
+    def __init__(self, current: Iterable[Path], archived: Iterable[Path] = ()) -> None:
+        self._current: dict[str, _Schema] = {}
+        self._by_fingerprint: dict[bytes, _Schema] = {}
+        for path in current:
+            schema = _load(path)
+            self._current[schema.name] = schema
+            self._by_fingerprint[schema.fingerprint] = schema
+        for path in archived:
+            schema = _load(path)
+            self._by_fingerprint.setdefault(schema.fingerprint, schema)
+        missing = {EXECUTION_RECORD, DELIVERY_RECORD} - self._current.keys()
+        if missing:
+            raise RuntimeError(f"schemas missing from {list(schema_dirs())}: {sorted(missing)}")
+
+    def writer_schema(self, record_name: str) -> Any:
+        return self._current[record_name].parsed
+
+    def fingerprint(self, record_name: str) -> bytes:
+        return self._current[record_name].fingerprint
+
+    def encode(self, event: Transition) -> bytes:
+        """One event as a single-object-encoded Avro record."""
+        if isinstance(event, ExecutionTransitioned):
+            schema, datum = self._current[EXECUTION_RECORD], execution_to_avro(event)
+        else:
+            schema, datum = self._current[DELIVERY_RECORD], delivery_to_avro(event)
+        return self.encode_datum(schema.name, datum)
+
+    def encode_datum(self, record_name: str, datum: dict[str, Any]) -> bytes:
+        schema = self._current[record_name]
+        buffer = io.BytesIO()
+        buffer.write(MARKER)
+        buffer.write(schema.fingerprint)
+        fastavro.schemaless_writer(buffer, schema.parsed, datum)
+        return buffer.getvalue()
+
+    def decode_datum(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        """(record name, Avro dict read with the current schema); raises DecodeError."""
+        if len(data) < HEADER_LENGTH or data[:2] != MARKER:
+            raise DecodeError("not Avro single-object encoding (missing C3 01 marker)")
+        writer = self._by_fingerprint.get(data[2:HEADER_LENGTH])
+        if writer is None:
+            raise DecodeError(f"unknown schema fingerprint {data[2:HEADER_LENGTH].hex()}")
+        reader = self._current.get(writer.name)
+        if reader is None:
+            raise DecodeError(f"no current schema for record {writer.name}")
+        body = io.BytesIO(data)
+        body.seek(HEADER_LENGTH)
+        try:
+            datum = fastavro.schemaless_reader(body, writer.parsed, reader.parsed)
+        except Exception as exc:  # fastavro raises many types for corrupt bodies
+            raise DecodeError(f"corrupt Avro body for {writer.name}: {type(exc).__name__}: {exc}") from exc
+        if body.tell() != len(data):
+            raise DecodeError(f"{len(data) - body.tell()} trailing bytes after the {writer.name} body")
+        return writer.name, datum
+
+    def decode(self, data: bytes) -> Transition:
+        """Bytes from a topic -> a validated domain event; raises DecodeError with the reason."""
+        name, datum = self.decode_datum(data)
+        try:
+            if name == EXECUTION_RECORD:
+                return ExecutionTransitioned.model_validate(datum)
+            return DeliveryTransitioned.model_validate(datum)
+        except ValidationError as exc:
+            raise DecodeError(f"invalid {name}: {_summarise(exc)}") from exc
+
+
+def _summarise(exc: ValidationError) -> str:
+    parts = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]]
+    return "; ".join(parts)
+
+
+def execution_to_avro(event: ExecutionTransitioned) -> dict[str, Any]:
+    return event.model_dump(exclude={"kind"})
+
+
+def delivery_to_avro(event: DeliveryTransitioned) -> dict[str, Any]:
+    return event.model_dump(exclude={"kind"})
+
+
+def _avsc(names: Iterable[Path]) -> list[Path]:
+    return sorted(p for p in names if p.suffix == ".avsc")
+
+
+@cache
+def default_codec() -> Codec:
+    """The codec over the shipped schemas (built once per process)."""
+    dirs = schema_dirs()
+    if not dirs:
+        raise RuntimeError("schemas/ directory not found next to the ledger package")
+    root = dirs[0]
+    archive = root / "archive"
+    return Codec(
+        _avsc(root.iterdir()), _avsc(archive.iterdir()) if archive.is_dir() else []
+    )
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def utc_micros(value: datetime) -> int:
+    """Microseconds since the epoch (what the Avro timestamp-micros fields carry)."""
+    # Integer arithmetic: value.timestamp() * 1e6 goes through a float and comes out one
+    # microsecond short for some instants (2005-08-18T12:08:18.400133Z, 2040-06-05T01:15:58.685692Z).
+    return (value.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)

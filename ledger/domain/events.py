@@ -1,0 +1,112 @@
+"""Events are values: frozen pydantic models, validated where they enter the system.
+
+One record type per state machine, with the state it moved to. Field names and meanings follow
+``schemas/*.avsc``; new fields must get defaults in both places so old events still read.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from ledger.domain.ids import EVENT_ID_RE, OPERATION_ID_RE, SHA256_REF_RE
+from ledger.domain.redact import looks_secret
+from ledger.domain.states import DeliveryState, ExecutionState
+
+MAX_ERROR_LENGTH = 1000
+
+Identifier = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
+]
+ToolName = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9._-]*$")
+]
+Destination = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
+]
+OperationId = Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
+EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_RE.pattern)]
+ContentRef = Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
+ProviderRef = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$")
+]
+
+
+def _no_secret(value: str | None) -> str | None:
+    if value is not None and looks_secret(value):
+        raise ValueError("error text looks like it holds a credential; redact it before recording")
+    return value
+
+
+ErrorText = Annotated[str, StringConstraints(max_length=MAX_ERROR_LENGTH), AfterValidator(_no_secret)]
+
+
+def _aware(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        raise ValueError("occurred_at must be timezone-aware")
+    return value.astimezone(UTC)
+
+
+Timestamp = Annotated[datetime, AfterValidator(_aware)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+    event_id: EventId
+    operation_id: OperationId
+    tenant_id: Identifier
+    actor_id: Identifier
+    occurred_at: Timestamp
+    attempt: int = Field(ge=0, le=1_000_000)
+
+
+class ExecutionTransitioned(_Event):
+    """The execution of ``operation_id`` entered ``state``."""
+
+    kind: Literal["execution"] = "execution"
+    state: ExecutionState
+    tool_name: ToolName
+    request_hash: ContentRef
+    provider_ref: ProviderRef | None = None
+    result_ref: ContentRef | None = None
+    error: ErrorText | None = None
+
+    @model_validator(mode="after")
+    def _state_needs(self) -> ExecutionTransitioned:
+        if self.state is ExecutionState.INTENT_RECORDED and self.attempt != 0:
+            raise ValueError("INTENT_RECORDED is attempt 0")
+        # FAILED at attempt 0 is a refusal before any dispatch (INTENT_RECORDED -> FAILED in the
+        # transition table); every other state belongs to a dispatch.
+        refused = self.state is ExecutionState.FAILED and self.attempt == 0
+        if self.state is not ExecutionState.INTENT_RECORDED and self.attempt < 1 and not refused:
+            raise ValueError(f"{self.state} needs attempt >= 1 (the dispatch it belongs to)")
+        if self.state is ExecutionState.SUCCEEDED and self.result_ref is None:
+            raise ValueError("SUCCEEDED needs result_ref: the durable result must exist first")
+        if self.state in (ExecutionState.FAILED, ExecutionState.UNKNOWN) and not self.error:
+            raise ValueError(f"{self.state} needs an error saying why")
+        return self
+
+
+class DeliveryTransitioned(_Event):
+    """The delivery of ``operation_id``'s result to ``destination`` entered ``state``."""
+
+    kind: Literal["delivery"] = "delivery"
+    destination: Destination
+    state: DeliveryState
+    result_ref: ContentRef | None = None
+    next_attempt_at: Timestamp | None = None
+    error: ErrorText | None = None
+
+    @model_validator(mode="after")
+    def _state_needs(self) -> DeliveryTransitioned:
+        if self.state is DeliveryState.SENT and self.attempt < 1:
+            raise ValueError("SENT needs attempt >= 1 (the send it records)")
+        if self.state is DeliveryState.DEAD_LETTERED and not self.error:
+            raise ValueError("DEAD_LETTERED needs an error saying why")
+        return self
+
+
+Transition = ExecutionTransitioned | DeliveryTransitioned
