@@ -1,0 +1,35 @@
+# Developer entry points. Everything runs from .venv/bin, so no activation is needed.
+# State (Kafka jars and data, PostgreSQL cluster, logs) lives in OPLEDGER_HOME, outside git.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# pip runs again only when pyproject.toml is newer than this stamp.
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv stack demo test lint down
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+stack: venv
+	$(BIN)/opledger stack up
+
+demo: venv stack
+	$(BIN)/opledger demo
+
+# Any non-zero pytest exit fails the target, including 5 ("no tests collected").
+test: venv stack
+	$(BIN)/pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+down: venv
+	$(BIN)/opledger stack down

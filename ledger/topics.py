@@ -1,0 +1,110 @@
+"""The Kafka topics opledger writes, as data, and an idempotent way to create them.
+
+Auto-creation is off on our brokers, so every topic is created here, explicitly, with the
+partition count and configuration the processors rely on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
+
+# confluent_kafka.admin re-exports NewTopic implicitly, which mypy strict rejects.
+from confluent_kafka.cimpl import NewTopic
+
+from ledger.settings import Settings
+
+
+class TopicError(RuntimeError):
+    """A topic could not be created, or exists with a shape we cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    """One topic: its name, partition count and topic-level configuration."""
+
+    name: str
+    partitions: int
+    config: Mapping[str, str]
+    replication: int = 1
+
+
+# Auditors replay the whole log, so nothing is ever deleted by age or size (retention -1);
+# compaction would drop the history of an operation, hence "delete" with infinite retention.
+# CreateTime keeps the producer's clock, which is when the transition happened.
+_LOG_CONFIG: Mapping[str, str] = MappingProxyType(
+    {
+        "cleanup.policy": "delete",
+        "retention.ms": "-1",
+        "min.insync.replicas": "1",
+        "message.timestamp.type": "CreateTime",
+    }
+)
+
+
+def topic_specs(settings: Settings) -> list[TopicSpec]:
+    """The execution, delivery and dead-letter topics for ``settings``."""
+    return [
+        TopicSpec(settings.execution_topic, settings.partitions, _LOG_CONFIG),
+        TopicSpec(settings.delivery_topic, settings.partitions, _LOG_CONFIG),
+        # Same partitions so a dead letter can keep the key -> partition of its source record.
+        TopicSpec(settings.dead_letter_topic, settings.partitions, _LOG_CONFIG),
+    ]
+
+
+def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
+    """Create the topics if missing and check existing ones; safe to call any number of times."""
+    specs = topic_specs(settings)
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    _create(admin, specs, timeout)
+    _verify(admin, specs, timeout)
+    return specs
+
+
+def _create(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
+    new = [
+        NewTopic(
+            s.name,
+            num_partitions=s.partitions,
+            replication_factor=s.replication,
+            config=dict(s.config),
+        )
+        for s in specs
+    ]
+    futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
+    for name, future in futures.items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            error = exc.args[0]
+            # Another process (a test, the projector) may have won the race: fine, _verify
+            # checks that what exists is what we would have created.
+            if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            raise TopicError(f"could not create topic {name}: {error}") from exc
+
+
+def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
+    # Metadata of a just-created topic can lag the create response by a moment.
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = admin.list_topics(timeout=timeout).topics
+        missing = [s.name for s in specs if s.name not in topics or topics[s.name].error]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise TopicError(f"topics not visible after {timeout:.0f}s: {', '.join(missing)}")
+        time.sleep(0.2)
+    for spec in specs:
+        actual = len(topics[spec.name].partitions)
+        if actual != spec.partitions:
+            raise TopicError(
+                f"topic {spec.name} has {actual} partitions but settings ask for "
+                f"{spec.partitions}; key -> partition routing would change, so use a new "
+                f"topic_prefix or delete the topic"
+            )

@@ -1,0 +1,1 @@
+"""opledger: the application (CLI, local stack launcher, wiring of the components)."""

@@ -1,0 +1,112 @@
+"""The ``opledger`` command line.
+
+Subcommands are contributed by *registrars*: functions that add parsers to the top-level
+subparsers and set a ``handler`` default, either a callable ``(args, settings) -> int`` or a
+``"module:function"`` string imported only when that subcommand runs, so ``opledger stack up``
+never pays for importing faust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from ledger.settings import Settings, SettingsError
+from opledger import stack
+
+if TYPE_CHECKING:
+    Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+else:
+    Commands = argparse._SubParsersAction
+
+Handler = Callable[[argparse.Namespace, Settings], int]
+Registrar = Callable[[Commands], None]
+
+#: Exit code of ``stack status`` when something is not healthy (like ``pg_ctl status``).
+EXIT_UNHEALTHY = 3
+#: Exit code for errors whose message says how to fix them (no traceback).
+EXIT_USAGE = 2
+
+
+def add_command(
+    commands: Commands, name: str, handler: Handler | str, help_text: str
+) -> argparse.ArgumentParser:
+    """Add one subcommand; ``handler`` may be ``"package.module:function"`` to import lazily."""
+    parser = commands.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _stack_up(args: argparse.Namespace, settings: Settings) -> int:
+    stack.up(settings)
+    return 0
+
+
+def _stack_down(args: argparse.Namespace, settings: Settings) -> int:
+    stack.down(settings)
+    return 0
+
+
+def _stack_status(args: argparse.Namespace, settings: Settings) -> int:
+    return 0 if stack.status(settings) else EXIT_UNHEALTHY
+
+
+def _stack_logs(args: argparse.Namespace, settings: Settings) -> int:
+    stack.logs(settings, lines=args.lines)
+    return 0
+
+
+def register_stack(commands: Commands) -> None:
+    """``opledger stack up|down|status|logs``."""
+    parser = commands.add_parser("stack", help="the local Kafka + PostgreSQL stack")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add_command(actions, "up", _stack_up, "start Kafka and PostgreSQL (idempotent), create topics")
+    add_command(actions, "down", _stack_down, "stop Kafka and PostgreSQL; data is kept")
+    add_command(actions, "status", _stack_status, "what runs where; exit 3 unless all healthy")
+    logs = add_command(actions, "logs", _stack_logs, "print the tail of the stack's logs")
+    logs.add_argument("-n", "--lines", type=int, default=40, help="lines per log (default 40)")
+
+
+#: Every subcommand group. To add one, write ``register(commands)`` in your module (keep its
+#: top-level imports light; point handlers at "module:function" strings) and list it here.
+REGISTRARS: list[Registrar] = [register_stack]
+
+
+def build_parser(registrars: Sequence[Registrar] = REGISTRARS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opledger",
+        description="Event-sourced ledger of AI agent tool calls. "
+        "Configured by OPLEDGER_* environment variables (see ledger/settings.py).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in registrars:
+        register(commands)
+    return parser
+
+
+def _resolve(handler: Handler | str) -> Handler:
+    if callable(handler):
+        return handler
+    module, _, name = handler.partition(":")
+    resolved: Handler = getattr(importlib.import_module(module), name)
+    return resolved
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``opledger`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        return _resolve(args.handler)(args, settings)
+    except (stack.StackError, SettingsError) as exc:
+        print(f"opledger: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Fixtures shared by every tier.
+
+Fixtures are lazy: only tests that request ``stack_settings`` or ``isolated`` start the local
+stack, so ``tests/unit`` runs without Kafka or PostgreSQL. The tier is in the path, and the
+matching marker is added here so ``-m 'not integration'`` works without decorating each test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from uuid import uuid4
+
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from ledger.settings import Settings
+from ledger.topics import ensure_topics, topic_specs
+from opledger import stack
+
+_TIERS = {"integration": "integration", "chaos": "chaos"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.path)).parts
+        for directory, marker in _TIERS.items():
+            if directory in parts:
+                item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.fixture(scope="session")
+def stack_settings() -> Settings:
+    """Settings of the running local stack, started if needed (idempotent, fast when up)."""
+    settings = Settings.from_env()
+    stack.up(settings, echo=lambda _line: None)
+    return settings
+
+
+@pytest.fixture
+def isolated(stack_settings: Settings) -> Iterator[Settings]:
+    """Settings with topics and a database of their own, dropped after the test."""
+    tag = f"t{uuid4().hex[:10]}"
+    database = f"opledger_{tag}"
+    admin_dsn = make_conninfo(stack_settings.dsn, dbname="postgres")
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+    settings = stack_settings.with_(
+        topic_prefix=tag, pg_dsn=make_conninfo(stack_settings.dsn, dbname=database)
+    )
+    try:
+        ensure_topics(settings)
+        yield settings
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+            )
+        # Infinite retention would otherwise keep every test's records on disk forever.
+        admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+        futures = admin.delete_topics([spec.name for spec in topic_specs(settings)])
+        for future in futures.values():
+            future.exception(timeout=30)

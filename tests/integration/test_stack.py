@@ -1,0 +1,89 @@
+"""The local stack launcher against the real broker and database server."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, re-exported without "as"
+    AdminClient,
+    ConfigResource,
+    ResourceType,
+)
+
+from ledger.settings import Settings
+from ledger.topics import topic_specs
+from opledger import cli, stack
+
+
+def test_status_is_healthy_after_up(stack_settings: Settings) -> None:
+    lines: list[str] = []
+    assert stack.status(stack_settings, echo=lines.append)
+    assert any(line.startswith("kafka") and "healthy" in line for line in lines)
+    assert any(line.startswith("postgres") and "healthy" in line for line in lines)
+
+
+def test_cli_status_exit_code_is_zero_when_healthy(stack_settings: Settings) -> None:
+    assert cli.main(["stack", "status"]) == 0
+
+
+def test_second_up_is_fast_and_downloads_nothing(stack_settings: Settings) -> None:
+    libs = stack_settings.home / f"kafka-{stack_settings.kafka_version}" / "libs"
+    marker = libs.parent / "jars.complete"
+    before = (libs.stat().st_mtime_ns, marker.stat().st_mtime_ns)
+    lines: list[str] = []
+    started = time.monotonic()
+    stack.up(stack_settings, echo=lines.append)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5, f"second up took {elapsed:.1f}s"
+    assert lines == ["stack already running"]
+    assert (libs.stat().st_mtime_ns, marker.stat().st_mtime_ns) == before
+
+
+def test_topics_have_configured_partitions_and_retention(stack_settings: Settings) -> None:
+    admin = AdminClient({"bootstrap.servers": stack_settings.bootstrap_servers})
+    metadata = admin.list_topics(timeout=10)
+    specs = topic_specs(stack_settings)
+    resources = [ConfigResource(ResourceType.TOPIC, spec.name) for spec in specs]
+    configs = {
+        res.name: future.result(10) for res, future in admin.describe_configs(resources).items()
+    }
+    for spec in specs:
+        assert len(metadata.topics[spec.name].partitions) == stack_settings.partitions
+        assert configs[spec.name]["cleanup.policy"].value == "delete"
+        assert configs[spec.name]["retention.ms"].value == "-1"
+
+
+def test_isolated_settings_get_their_own_topics_and_database(isolated: Settings) -> None:
+    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    topics = admin.list_topics(timeout=10).topics
+    assert all(spec.name in topics for spec in topic_specs(isolated))
+    with psycopg.connect(isolated.dsn) as conn:
+        row = conn.execute("SELECT current_database()").fetchone()
+    assert row is not None and row[0].startswith("opledger_t")
+
+
+def test_postgres_listens_on_loopback_only_and_not_as_root(stack_settings: Settings) -> None:
+    with psycopg.connect(stack_settings.dsn) as conn:
+        row = conn.execute("SELECT current_setting('listen_addresses')").fetchone()
+    assert row == ("127.0.0.1",)
+    pid = stack.postgres_pid(stack_settings)
+    assert pid is not None
+    if os.geteuid() == 0:
+        assert Path(f"/proc/{pid}").stat().st_uid != 0
+
+
+def test_missing_java_is_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(stack.StackError) as raised:
+        stack.find_java(path=str(tmp_path))
+    message = str(raised.value)
+    assert message.startswith("java not found:")
+    assert "\n" not in message and "apt-get install" in message
+
+
+def test_missing_mvn_is_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(stack.StackError, match=r"^mvn not found: install Maven"):
+        stack.find_mvn(path=str(tmp_path))
