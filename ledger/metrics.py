@@ -1,0 +1,98 @@
+"""Prometheus metrics, one object built from a registry that is passed in (faust's
+``FaustMetrics.create(registry, app_name)``). Base units, ``_total`` on counters, histograms for
+latencies, and never an operation_id in a label (unbounded cardinality)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 10, 50, 100, 500, 1000, 2000, 5000, 10000)
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    records_appended: Counter
+    append_seconds: Histogram
+    projected_events: Counter
+    duplicate_transitions: Counter
+    illegal_transitions: Counter
+    dead_letters: Counter
+    projector_batch_seconds: Histogram
+    projector_batch_events: Histogram
+    append_to_visible_seconds: Histogram
+    projector_lag_records: Gauge
+    projector_skipped_redelivered: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> Metrics:
+        return cls(
+            records_appended=Counter(
+                "opledger_records_appended_total",
+                "Transitions acknowledged by the broker, by machine.",
+                ["machine"],
+                registry=registry,
+            ),
+            append_seconds=Histogram(
+                "opledger_append_seconds",
+                "Time from produce to broker acknowledgement of one SDK call.",
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            projected_events=Counter(
+                "opledger_projected_events_total",
+                "Events folded into the projections, by machine and outcome "
+                "(applied, duplicate, anomaly).",
+                ["machine", "outcome"],
+                registry=registry,
+            ),
+            duplicate_transitions=Counter(
+                "opledger_duplicate_transitions_total",
+                "Repeated transitions (same operation, state and attempt) seen by the projector.",
+                ["machine"],
+                registry=registry,
+            ),
+            illegal_transitions=Counter(
+                "opledger_illegal_transitions_total",
+                "Transitions refused by the state machine and stored as anomalies.",
+                ["machine"],
+                registry=registry,
+            ),
+            dead_letters=Counter(
+                "opledger_dead_letters_total",
+                "Undecodable records sent to the dead-letter topic, by source topic.",
+                ["source_topic"],
+                registry=registry,
+            ),
+            projector_batch_seconds=Histogram(
+                "opledger_projector_batch_seconds",
+                "Time to fold and commit one batch into PostgreSQL.",
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            projector_batch_events=Histogram(
+                "opledger_projector_batch_events",
+                "Records per projector batch.",
+                buckets=_BATCH_BUCKETS,
+                registry=registry,
+            ),
+            append_to_visible_seconds=Histogram(
+                "opledger_append_to_visible_seconds",
+                "From the record's Kafka timestamp to its projection commit.",
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            projector_lag_records=Gauge(
+                "opledger_projector_lag_records",
+                "Records on the topic not yet projected, by topic.",
+                ["topic"],
+                registry=registry,
+            ),
+            projector_skipped_redelivered=Counter(
+                "opledger_projector_skipped_redelivered_total",
+                "Records skipped because their offset was already projected (redelivery).",
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,64 @@
+"""The projector's faust application: worker lifecycle, signal handling and a web server that
+serves ``/metrics``, hosting the batch reader as a service.
+
+The batch loop blocks (librdkafka polls, psycopg commits), so it runs on its own thread; faust's
+event loop stays free for the web server and the worker's housekeeping. If the loop fails, the
+worker crashes rather than idling with a dead projector: a process that is alive but not
+projecting is the failure the seed warns a heartbeat cannot see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import faust
+import mode
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ledger.settings import Settings
+from processors.batch_reader import BatchProjector
+
+log = logging.getLogger("opledger.projector")
+
+
+def create_app(settings: Settings, projector: BatchProjector, registry: CollectorRegistry) -> Any:
+    """A faust App hosting ``projector``; run it with ``faust.Worker(app).execute_from_commandline()``."""
+    app = faust.App(
+        f"{settings.topic_prefix}-projector",
+        broker=f"kafka://{settings.bootstrap_servers}",
+        store="memory://",
+        web_enabled=True,
+        web_bind="127.0.0.1",
+        web_port=settings.projector_web_port,
+        web_in_thread=False,
+        # Offsets of the projection live in PostgreSQL; faust's own consumer reads nothing.
+        topic_allow_declare=True,
+    )
+
+    class ProjectorService(mode.Service):  # type: ignore[misc]  # mode ships no type information
+        @mode.Service.task  # type: ignore[untyped-decorator]  # mode ships no type information
+        async def _project(self) -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(None, projector.run)
+            except Exception as exc:
+                log.exception("projector loop failed; crashing the worker so it is restarted")
+                await self.crash(exc)
+                raise
+
+        async def on_stop(self) -> None:
+            projector.stop()
+
+    app.service(ProjectorService)
+
+    @app.page("/metrics")  # type: ignore[untyped-decorator]  # faust ships no type information
+    async def metrics(web: Any, request: Any) -> Any:
+        return web.bytes(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+    @app.page("/healthz")  # type: ignore[untyped-decorator]
+    async def healthz(web: Any, request: Any) -> Any:
+        return web.json({"batches": projector.batches})
+
+    return app

@@ -1,0 +1,366 @@
+"""Folds event batches into the projection tables, exactly once.
+
+One PostgreSQL transaction per batch holds: the history rows, the anomalies, the new and changed
+current-state rows, and the consumed offsets (pyeventsourcing's tracking table). Kafka's own
+offset commit happens after it and is informational only, so every crash point is safe:
+
+- crash before COMMIT: nothing is stored; Kafka redelivers from the stored offset and the batch is
+  folded again from the same starting rows.
+- crash after COMMIT: the offsets moved with the rows; redelivered records are below the stored
+  offset and are skipped (counted as ``skipped_redelivered``), never applied twice.
+
+Writes are COPY-based (one round trip per table per batch, not per event); updates go through a
+staged COPY and one guarded UPDATE whose row count must match, as DBOS guards state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.fold import (
+    Applied,
+    DeliveryRecord,
+    Duplicate,
+    ExecutionRecord,
+    apply_delivery,
+    apply_execution,
+)
+from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.records import ProjectionBatch, ProjectionReport, SourcedEvent
+from projections.schema import apply_migrations
+
+_OP_COLUMNS = (
+    "operation_id", "tenant_id", "actor_id", "tool_name", "request_hash", "execution_state",
+    "attempt", "provider_ref", "result_ref", "error", "created_at", "updated_at",
+    "state_entered_at", "version", "seen",
+)  # fmt: skip
+_DELIVERY_COLUMNS = (
+    "operation_id", "destination", "tenant_id", "actor_id", "state", "attempts", "result_ref",
+    "next_attempt_at", "error", "created_at", "updated_at", "state_entered_at", "version", "seen",
+)  # fmt: skip
+_HISTORY_COLUMNS = (
+    "topic", "partition", "offset", "event_id", "operation_id", "tenant_id", "actor_id",
+    "machine", "destination", "state", "attempt", "outcome", "provider_ref", "result_ref",
+    "error", "occurred_at",
+)  # fmt: skip
+
+
+class ProjectionConflictError(RuntimeError):
+    """A guarded update touched fewer rows than folded: another writer changed the same rows.
+
+    The transaction is rolled back and the batch is refolded from the stored state on restart.
+    """
+
+
+def _cols(columns: Iterable[str]) -> str:
+    return ", ".join(f'"{c}"' for c in columns)
+
+
+def _seen_text(seen: Iterable[tuple[Any, int]]) -> list[str]:
+    return sorted(f"{state}:{attempt}" for state, attempt in seen)
+
+
+def _parse_seen_execution(values: Sequence[str]) -> frozenset[tuple[ExecutionState, int]]:
+    pairs = (v.rsplit(":", 1) for v in values)
+    return frozenset((ExecutionState(s), int(a)) for s, a in pairs)
+
+
+def _parse_seen_delivery(values: Sequence[str]) -> frozenset[tuple[DeliveryState, int]]:
+    pairs = (v.rsplit(":", 1) for v in values)
+    return frozenset((DeliveryState(s), int(a)) for s, a in pairs)
+
+
+def _op_row(r: ExecutionRecord) -> tuple[Any, ...]:
+    return (
+        r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, r.state.value,
+        r.attempt, r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
+        r.state_entered_at, r.version, _seen_text(r.seen),
+    )  # fmt: skip
+
+
+def _delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
+    return (
+        r.operation_id, r.destination, r.tenant_id, r.actor_id, r.state.value, r.attempts,
+        r.result_ref, r.next_attempt_at, r.error, r.created_at, r.updated_at,
+        r.state_entered_at, r.version, _seen_text(r.seen),
+    )  # fmt: skip
+
+
+def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
+    c, e = item.coordinates, item.event
+    if isinstance(e, ExecutionTransitioned):
+        machine, destination, provider_ref = "execution", None, e.provider_ref
+    else:
+        machine, destination, provider_ref = "delivery", e.destination, None
+    return (
+        c.topic, c.partition, c.offset, e.event_id, e.operation_id, e.tenant_id, e.actor_id,
+        machine, destination, e.state.value, e.attempt, outcome, provider_ref, e.result_ref,
+        e.error, e.occurred_at,
+    )  # fmt: skip
+
+
+class PostgresProjection:
+    """The :class:`ledger.records.ProjectionSink` over PostgreSQL."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self._staging_ready = False
+
+    @classmethod
+    def connect(cls, dsn: str) -> PostgresProjection:
+        conn = psycopg.connect(dsn, autocommit=True, application_name="opledger-projector")
+        projection = cls(conn)
+        projection.migrate()
+        return projection
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def migrate(self) -> list[int]:
+        return apply_migrations(self._conn)
+
+    def _ensure_staging(self) -> None:
+        if self._staging_ready:
+            return
+        # Session-local staging tables for the guarded UPDATEs; emptied at every commit.
+        self._conn.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS stage_operations "
+            "(LIKE agent_operations, prev_version INTEGER, prev_state TEXT) ON COMMIT DELETE ROWS"
+        )
+        self._conn.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS stage_deliveries "
+            "(LIKE deliveries, prev_version INTEGER, prev_state TEXT) ON COMMIT DELETE ROWS"
+        )
+        self._staging_ready = True
+
+    def positions(self, consumer: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+        rows = self._conn.execute(
+            "SELECT topic, partition, next_offset FROM projector_offsets "
+            "WHERE consumer = %s AND topic = ANY(%s)",
+            (consumer, list(topics)),
+        ).fetchall()
+        return {(t, p): n for t, p, n in rows}
+
+    def project(self, consumer: str, batch: ProjectionBatch) -> ProjectionReport:
+        self._ensure_staging()
+        report = ProjectionReport()
+        if not batch.next_offsets:
+            return report
+        with self._conn.transaction(), self._conn.cursor() as cur:
+            stored = self._lock_offsets(cur, consumer, batch)
+            fresh = [
+                e for e in batch.events
+                if e.coordinates.offset >= stored[(e.coordinates.topic, e.coordinates.partition)]
+            ]  # fmt: skip
+            dead = [
+                d for d in batch.dead_letters
+                if d.coordinates.offset >= stored[(d.coordinates.topic, d.coordinates.partition)]
+            ]  # fmt: skip
+            report.skipped_redelivered = (
+                len(batch.events) + len(batch.dead_letters) - len(fresh) - len(dead)
+            )
+            history, anomalies, ops, deliveries = self._fold(cur, fresh, report)
+            self._copy(cur, "operation_history", _HISTORY_COLUMNS, history)
+            self._copy(
+                cur, "anomalies",
+                ("topic", "partition", "offset", "operation_id", "tenant_id", "machine",
+                 "reason", "event"),
+                anomalies,
+            )  # fmt: skip
+            self._copy(
+                cur, "dead_letters", ("topic", "partition", "offset", "reason", "size_bytes"),
+                [
+                    (d.coordinates.topic, d.coordinates.partition, d.coordinates.offset,
+                     d.reason, len(d.value or b""))
+                    for d in dead
+                ],
+            )  # fmt: skip
+            report.dead_letters = len(dead)
+            self._write_current(cur, "agent_operations", "stage_operations", _OP_COLUMNS,
+                                "execution_state", ops)  # fmt: skip
+            self._write_current(cur, "deliveries", "stage_deliveries", _DELIVERY_COLUMNS,
+                                "state", deliveries)  # fmt: skip
+            cur.execute(
+                "UPDATE projector_offsets o SET next_offset = x.n, updated_at = now() "
+                "FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS x(t, p, n) "
+                "WHERE o.consumer = %s AND o.topic = x.t AND o.partition = x.p "
+                "AND o.next_offset < x.n",
+                (
+                    [t for t, _ in batch.next_offsets],
+                    [p for _, p in batch.next_offsets],
+                    list(batch.next_offsets.values()),
+                    consumer,
+                ),
+            )
+        return report
+
+    def _lock_offsets(
+        self, cur: psycopg.Cursor[Any], consumer: str, batch: ProjectionBatch
+    ) -> dict[tuple[str, int], int]:
+        topics = [t for t, _ in batch.next_offsets]
+        parts = [p for _, p in batch.next_offsets]
+        cur.execute(
+            "INSERT INTO projector_offsets (consumer, topic, partition, next_offset) "
+            "SELECT %s, t, p, 0 FROM unnest(%s::text[], %s::int[]) AS x(t, p) "
+            "ON CONFLICT DO NOTHING",
+            (consumer, topics, parts),
+        )
+        # FOR UPDATE serialises two projectors that share a consumer name (a zombie and its
+        # replacement): the second waits, then sees the advanced offsets and skips the batch.
+        cur.execute(
+            "SELECT o.topic, o.partition, o.next_offset FROM projector_offsets o "
+            "JOIN unnest(%s::text[], %s::int[]) AS x(t, p) ON o.topic = x.t AND o.partition = x.p "
+            "WHERE o.consumer = %s ORDER BY o.topic, o.partition FOR UPDATE OF o",
+            (topics, parts, consumer),
+        )
+        return {(t, p): n for t, p, n in cur.fetchall()}
+
+    def _fold(
+        self, cur: psycopg.Cursor[Any], fresh: Sequence[SourcedEvent], report: ProjectionReport
+    ) -> tuple[
+        list[tuple[Any, ...]],
+        list[tuple[Any, ...]],
+        dict[str, tuple[ExecutionRecord, int, str | None]],
+        dict[tuple[str, str], tuple[DeliveryRecord, int, str | None]],
+    ]:
+        exec_ids = {e.event.operation_id for e in fresh if isinstance(e.event, ExecutionTransitioned)}
+        delivery_ids = {
+            e.event.operation_id for e in fresh if isinstance(e.event, DeliveryTransitioned)
+        }
+        ops = self._load_operations(cur, exec_ids)
+        deliveries = self._load_deliveries(cur, delivery_ids)
+        # (record, version as loaded, state as loaded): the guard of the UPDATE.
+        op_start = {k: (v.version, v.state.value) for k, v in ops.items()}
+        delivery_start = {k: (v.version, v.state.value) for k, v in deliveries.items()}
+        history: list[tuple[Any, ...]] = []
+        anomalies: list[tuple[Any, ...]] = []
+        for item in fresh:
+            event = item.event
+            outcome: Any
+            if isinstance(event, ExecutionTransitioned):
+                machine = "execution"
+                outcome = apply_execution(ops.get(event.operation_id), event)
+                if isinstance(outcome, Applied):
+                    ops[event.operation_id] = outcome.record
+            else:
+                machine = "delivery"
+                key = (event.operation_id, event.destination)
+                outcome = apply_delivery(deliveries.get(key), event)
+                if isinstance(outcome, Applied):
+                    deliveries[key] = outcome.record
+            if isinstance(outcome, Applied):
+                report.applied[machine] += 1
+                history.append(_history_row(item, "applied"))
+            elif isinstance(outcome, Duplicate):
+                report.duplicates[machine] += 1
+                history.append(_history_row(item, "duplicate"))
+            else:
+                report.anomalies[machine] += 1
+                history.append(_history_row(item, "anomaly"))
+                c = item.coordinates
+                anomalies.append(
+                    (c.topic, c.partition, c.offset, event.operation_id, event.tenant_id, machine,
+                     outcome.reason, Jsonb(event.model_dump(mode="json")))
+                )  # fmt: skip
+        changed_ops = {
+            k: (r, *op_start.get(k, (0, None)))
+            for k, r in ops.items()
+            if r.version != op_start.get(k, (0, None))[0]
+        }
+        changed_deliveries = {
+            k: (r, *delivery_start.get(k, (0, None)))
+            for k, r in deliveries.items()
+            if r.version != delivery_start.get(k, (0, None))[0]
+        }
+        return history, anomalies, changed_ops, changed_deliveries  # type: ignore[return-value]  # tuple unpacking in the comprehension widens the type
+
+    def _load_operations(
+        self, cur: psycopg.Cursor[Any], ids: set[str]
+    ) -> dict[str, ExecutionRecord]:
+        if not ids:
+            return {}
+        cur.execute(
+            f"SELECT {_cols(_OP_COLUMNS)} FROM agent_operations WHERE operation_id = ANY(%s)",
+            (list(ids),),
+        )
+        out: dict[str, ExecutionRecord] = {}
+        for row in cur.fetchall():
+            (op, tenant, actor, tool, rhash, state, attempt, pref, rref, err, created, updated,
+             entered, version, seen) = row  # fmt: skip
+            out[op] = ExecutionRecord(
+                operation_id=op, tenant_id=tenant, actor_id=actor, tool_name=tool,
+                request_hash=rhash, state=ExecutionState(state), attempt=attempt,
+                provider_ref=pref, result_ref=rref, error=err, created_at=created,
+                updated_at=updated, state_entered_at=entered, version=version,
+                seen=_parse_seen_execution(seen),
+            )  # fmt: skip
+        return out
+
+    def _load_deliveries(
+        self, cur: psycopg.Cursor[Any], ids: set[str]
+    ) -> dict[tuple[str, str], DeliveryRecord]:
+        if not ids:
+            return {}
+        cur.execute(
+            f"SELECT {_cols(_DELIVERY_COLUMNS)} FROM deliveries WHERE operation_id = ANY(%s)",
+            (list(ids),),
+        )
+        out: dict[tuple[str, str], DeliveryRecord] = {}
+        for row in cur.fetchall():
+            (op, dest, tenant, actor, state, attempts, rref, nxt, err, created, updated, entered,
+             version, seen) = row  # fmt: skip
+            out[(op, dest)] = DeliveryRecord(
+                operation_id=op, destination=dest, tenant_id=tenant, actor_id=actor,
+                state=DeliveryState(state), attempts=attempts, result_ref=rref,
+                next_attempt_at=nxt, error=err, created_at=created, updated_at=updated,
+                state_entered_at=entered, version=version, seen=_parse_seen_delivery(seen),
+            )  # fmt: skip
+        return out
+
+    def _copy(
+        self,
+        cur: psycopg.Cursor[Any],
+        table: str,
+        columns: Sequence[str],
+        rows: Sequence[tuple[Any, ...]],
+    ) -> None:
+        if not rows:
+            return
+        with cur.copy(f"COPY {table} ({_cols(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+
+    def _write_current(
+        self,
+        cur: psycopg.Cursor[Any],
+        table: str,
+        stage: str,
+        columns: Sequence[str],
+        state_column: str,
+        changed: dict[Any, tuple[Any, int, str | None]],
+    ) -> None:
+        to_row = _op_row if table == "agent_operations" else _delivery_row
+        new_rows = [to_row(r) for r, version, _ in changed.values() if version == 0]
+        updates = [(*to_row(r), version, state) for r, version, state in changed.values() if version]
+        # New rows go straight in: their key's partition is owned by this transaction (offset
+        # rows are locked), so a primary-key clash means a second writer, and must fail loudly.
+        self._copy(cur, table, columns, new_rows)
+        if not updates:
+            return
+        self._copy(cur, stage, (*columns, "prev_version", "prev_state"), updates)
+        keys = ("operation_id",) if table == "agent_operations" else ("operation_id", "destination")
+        assignments = ", ".join(f'"{c}" = s."{c}"' for c in columns if c not in keys)
+        join = " AND ".join(f't."{k}" = s."{k}"' for k in keys)
+        cur.execute(
+            f"UPDATE {table} t SET {assignments} FROM {stage} s WHERE {join} "
+            f"AND t.version = s.prev_version AND t.{state_column} = s.prev_state"
+        )
+        if cur.rowcount != len(updates):
+            raise ProjectionConflictError(
+                f"{table}: guarded update changed {cur.rowcount} of {len(updates)} rows"
+            )

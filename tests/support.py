@@ -1,0 +1,248 @@
+"""Helpers for the integration and chaos tiers: put events on the real topics, run or await the
+projector, and compute the expected projections independently of it (a plain sequential fold of
+every record read back from Kafka, partition by partition, with no batching, SQL or offsets)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client import CollectorRegistry
+
+from ledger.codec import DecodeError, default_codec
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
+from ledger.domain.fold import (
+    Applied,
+    DeliveryRecord,
+    Duplicate,
+    ExecutionRecord,
+    apply_delivery,
+    apply_execution,
+)
+from ledger.metrics import Metrics
+from ledger.settings import Settings
+from processors.batch_reader import BatchProjector
+from projections.writer import PostgresProjection
+
+
+def producer(settings: Settings) -> Producer:
+    return Producer(
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "partitioner": "murmur2_random",
+        }
+    )
+
+
+def produce(settings: Settings, events: Iterable[Transition], flush: bool = True, p: Producer | None = None) -> int:
+    """Append events keyed by operation_id, as the SDK does; returns how many."""
+    p = p or producer(settings)
+    codec = default_codec()
+    n = 0
+    for event in events:
+        topic = settings.execution_topic if event.kind == "execution" else settings.delivery_topic
+        while True:
+            try:
+                p.produce(topic, key=event.operation_id.encode(), value=codec.encode(event))
+                break
+            except BufferError:
+                p.poll(0.05)
+        n += 1
+        if n % 1000 == 0:
+            p.poll(0)
+    if flush:
+        assert p.flush(60) == 0, "broker did not acknowledge every record"
+    return n
+
+
+def produce_raw(settings: Settings, topic: str, key: bytes | None, value: bytes | None) -> None:
+    p = producer(settings)
+    p.produce(topic, key=key, value=value)
+    assert p.flush(30) == 0
+
+
+def end_offsets(settings: Settings, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "probe"})
+    try:
+        out = {}
+        meta = consumer.list_topics(timeout=10)
+        for topic in topics:
+            for partition in meta.topics[topic].partitions:
+                _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+                out[(topic, partition)] = high
+        return out
+    finally:
+        consumer.close()
+
+
+def stored_offsets(settings: Settings) -> dict[tuple[str, int], int]:
+    with psycopg.connect(settings.dsn) as conn:
+        try:
+            rows = conn.execute(
+                "SELECT topic, partition, next_offset FROM projector_offsets WHERE consumer = %s",
+                (settings.projector_group,),
+            ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return {}
+    return {(t, p): n for t, p, n in rows}
+
+
+def caught_up(settings: Settings) -> bool:
+    ends = end_offsets(settings, [settings.execution_topic, settings.delivery_topic])
+    stored = stored_offsets(settings)
+    return all(stored.get(k, 0) >= high for k, high in ends.items())
+
+
+def wait_caught_up(settings: Settings, timeout: float = 120.0) -> float:
+    """Poll until the stored projector offsets reach the topics' ends; returns seconds waited."""
+    started = time.monotonic()
+    while not caught_up(settings):
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"projector did not catch up within {timeout}s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def project_in_process(settings: Settings, timeout: float = 120.0) -> BatchProjector:
+    """Run the batch projector in this process until it has projected everything on the topics."""
+    sink = PostgresProjection.connect(settings.dsn)
+    projector = BatchProjector(settings, sink, default_codec(), Metrics.create(CollectorRegistry()))
+    projector._consumer = projector._open()  # noqa: SLF001  # drive the loop step by step
+    deadline = time.monotonic() + timeout
+    try:
+        while not caught_up(settings):
+            if time.monotonic() > deadline:
+                raise AssertionError("in-process projector did not catch up")
+            for _ in range(20):
+                projector.run_once()
+    finally:
+        projector.close()
+        sink.close()
+    return projector
+
+
+@dataclass
+class Expected:
+    """The independent fold of everything on the topics."""
+
+    operations: dict[str, ExecutionRecord] = field(default_factory=dict)
+    deliveries: dict[tuple[str, str], DeliveryRecord] = field(default_factory=dict)
+    outcomes: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    dead: set[tuple[str, int, int]] = field(default_factory=set)
+
+
+def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | None, bytes | None]]:
+    """Every record of ``topic`` as (partition, offset, key, value), in offset order per partition."""
+    ends = end_offsets(settings, [topic])
+    consumer = Consumer(
+        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "verifier", "enable.auto.commit": False}
+    )
+    consumer.assign([TopicPartition(topic, p, 0) for (_, p) in ends])
+    remaining = sum(ends.values())
+    records = []
+    deadline = time.monotonic() + 120
+    while remaining > 0 and time.monotonic() < deadline:
+        for m in consumer.consume(10000, 1.0):
+            if m.error():
+                continue
+            records.append((m.partition(), m.offset(), m.key(), m.value()))
+            remaining -= 1
+    consumer.close()
+    assert remaining == 0, f"could not read {remaining} records back from {topic}"
+    return sorted(records, key=lambda r: (r[0], r[1]))
+
+
+def independent_fold(settings: Settings) -> Expected:
+    codec = default_codec()
+    expected = Expected()
+    for topic in (settings.execution_topic, settings.delivery_topic):
+        for partition, offset, key, value in read_all(settings, topic):
+            try:
+                event = codec.decode(value or b"")
+            except DecodeError:
+                expected.dead.add((topic, partition, offset))
+                continue
+            if key != event.operation_id.encode():
+                expected.dead.add((topic, partition, offset))
+                continue
+            outcome: Any
+            if isinstance(event, ExecutionTransitioned):
+                outcome = apply_execution(expected.operations.get(event.operation_id), event)
+                if isinstance(outcome, Applied):
+                    expected.operations[event.operation_id] = outcome.record
+            else:
+                k = (event.operation_id, event.destination)
+                outcome = apply_delivery(expected.deliveries.get(k), event)
+                if isinstance(outcome, Applied):
+                    expected.deliveries[k] = outcome.record
+            expected.outcomes[(topic, partition, offset)] = (
+                "applied" if isinstance(outcome, Applied)
+                else "duplicate" if isinstance(outcome, Duplicate) else "anomaly"
+            )  # fmt: skip
+    return expected
+
+
+def _seen(pairs: Iterable[tuple[Any, int]]) -> list[str]:
+    return sorted(f"{s}:{a}" for s, a in pairs)
+
+
+def expected_operation_row(r: ExecutionRecord) -> tuple[Any, ...]:
+    return (r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, str(r.state),
+            r.attempt, r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
+            r.state_entered_at, r.version, _seen(r.seen))  # fmt: skip
+
+
+def expected_delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
+    return (r.operation_id, r.destination, r.tenant_id, r.actor_id, str(r.state), r.attempts,
+            r.result_ref, r.next_attempt_at, r.error, r.created_at, r.updated_at,
+            r.state_entered_at, r.version, _seen(r.seen))  # fmt: skip
+
+
+def assert_projection_matches(settings: Settings, expected: Expected) -> dict[str, int]:
+    """Row-by-row comparison of the projections with the independent fold."""
+    with psycopg.connect(settings.dsn) as conn:
+        ops = conn.execute(
+            "SELECT operation_id, tenant_id, actor_id, tool_name, request_hash, execution_state, "
+            "attempt, provider_ref, result_ref, error, created_at, updated_at, state_entered_at, "
+            "version, seen FROM agent_operations"
+        ).fetchall()
+        deliveries = conn.execute(
+            "SELECT operation_id, destination, tenant_id, actor_id, state, attempts, result_ref, "
+            "next_attempt_at, error, created_at, updated_at, state_entered_at, version, seen "
+            "FROM deliveries"
+        ).fetchall()
+        history = conn.execute(
+            'SELECT topic, partition, "offset", outcome FROM operation_history'
+        ).fetchall()
+        dead = conn.execute('SELECT topic, partition, "offset" FROM dead_letters').fetchall()
+        anomalies = conn.execute('SELECT topic, partition, "offset" FROM anomalies').fetchall()
+    actual_ops = {row[0]: tuple(row) for row in ops}
+    want_ops = {k: expected_operation_row(v) for k, v in expected.operations.items()}
+    assert actual_ops.keys() == want_ops.keys(), "operation ids differ"
+    for key, want in want_ops.items():
+        assert actual_ops[key] == want, f"agent_operations row {key} differs"
+    actual_del = {(row[0], row[1]): tuple(row) for row in deliveries}
+    want_del = {k: expected_delivery_row(v) for k, v in expected.deliveries.items()}
+    assert actual_del.keys() == want_del.keys(), "delivery keys differ"
+    for key, want in want_del.items():
+        assert actual_del[key] == want, f"deliveries row {key} differs"
+    actual_outcomes = {(t, p, o): outcome for t, p, o, outcome in history}
+    assert len(history) == len(actual_outcomes)
+    assert actual_outcomes == expected.outcomes, "history outcomes differ"
+    assert {tuple(r) for r in dead} == expected.dead
+    assert {tuple(r) for r in anomalies} == {k for k, v in expected.outcomes.items() if v == "anomaly"}
+    return {
+        "operations": len(actual_ops),
+        "deliveries": len(actual_del),
+        "history": len(history),
+        "duplicates": sum(1 for v in expected.outcomes.values() if v == "duplicate"),
+        "anomalies": len(anomalies),
+        "dead": len(dead),
+    }
