@@ -75,7 +75,7 @@ def schema_dirs() -> list[Path]:
 
 def _load(path: Path) -> _Schema:
     raw = json.loads(path.read_text(encoding="utf-8"))
-    parsed = fastavro.parse_schema(raw, _write_hint=False)
+    parsed = fastavro.parse_schema(raw)
     canonical = to_parsing_canonical_form(raw).encode("utf-8")
     fingerprint = crc64_avro(canonical).to_bytes(8, "little")
     return _Schema(name=parsed["name"], parsed=parsed, fingerprint=fingerprint, source=path)

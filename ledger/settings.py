@@ -7,10 +7,18 @@ keeps tests free to build as many differently-configured instances as they like.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Self
+
+
+_TOPIC_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+def _var(field_name: str) -> str:
+    return f"OPLEDGER_{field_name.upper()}"
 
 
 class SettingsError(ValueError):
@@ -95,16 +103,22 @@ class Settings:
         return settings.validated()
 
     def validated(self) -> Self:
+        """Check ranges; errors name the ``OPLEDGER_*`` variable to fix."""
         for name in ("kafka_port", "kafka_controller_port", "pg_port", "projector_web_port"):
             port = getattr(self, name)
             if not 0 < port < 65536:
-                raise SettingsError(f"{name} must be a TCP port (1-65535), got {port}")
+                raise SettingsError(f"{_var(name)} must be a TCP port (1-65535), got {port}")
         if self.partitions < 1:
-            raise SettingsError(f"partitions must be at least 1, got {self.partitions}")
+            raise SettingsError(f"{_var('partitions')} must be at least 1, got {self.partitions}")
         if self.projector_batch < 1:
-            raise SettingsError(f"projector_batch must be at least 1, got {self.projector_batch}")
-        if not self.topic_prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise SettingsError(f"topic_prefix may hold letters, digits, '.', '_' and '-' only: {self.topic_prefix!r}")
+            raise SettingsError(
+                f"{_var('projector_batch')} must be at least 1, got {self.projector_batch}"
+            )
+        if not _TOPIC_PREFIX.match(self.topic_prefix):
+            raise SettingsError(
+                f"{_var('topic_prefix')} may hold letters, digits, '.', '_' and '-' only "
+                f"(1-100 characters), got {self.topic_prefix!r}"
+            )
         return self
 
     def with_(self, **changes: object) -> Self:

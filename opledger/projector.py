@@ -6,20 +6,27 @@ import argparse
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING
 
 from ledger import faults
-from ledger.codec import default_codec
-from ledger.metrics import Metrics
 from ledger.settings import Settings
-from ledger.topics import ensure_topics
-from processors.app import create_app
-from processors.batch_reader import BatchProjector
-from projections.writer import PostgresProjection
+
+if TYPE_CHECKING:
+    from processors.batch_reader import BatchProjector
+    from projections.writer import PostgresProjection
 
 
 def build(settings: Settings) -> tuple[Any, BatchProjector, PostgresProjection]:
     """The faust app, its projector and its sink, wired but not started."""
+    # Imported here, not at the top: `opledger stack up` must not pay for importing faust.
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from ledger.codec import default_codec  # noqa: PLC0415
+    from ledger.metrics import Metrics  # noqa: PLC0415
+    from processors.app import create_app  # noqa: PLC0415
+    from processors.batch_reader import BatchProjector  # noqa: PLC0415
+    from projections.writer import PostgresProjection  # noqa: PLC0415
+
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
     sink = PostgresProjection.connect(settings.dsn)
@@ -30,6 +37,8 @@ def build(settings: Settings) -> tuple[Any, BatchProjector, PostgresProjection]:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger projector run``: project until SIGTERM/SIGINT."""
     import faust  # noqa: PLC0415  # imported here so other subcommands start fast
+
+    from ledger.topics import ensure_topics  # noqa: PLC0415
 
     faults.arm(settings.fault_points)
     logging.basicConfig(
@@ -43,3 +52,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         sink.close()
     return 0
+
+
+def register(commands: Any) -> None:
+    """``opledger projector run``."""
+    parser = commands.add_parser("projector", help="the projector worker (topics -> PostgreSQL)")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run_parser = actions.add_parser(
+        "run", help="fold both topics into the projections until stopped (SIGTERM/SIGINT)"
+    )
+    run_parser.set_defaults(handler="opledger.projector:run")

@@ -33,8 +33,11 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
         web_bind="127.0.0.1",
         web_port=settings.projector_web_port,
         web_in_thread=False,
-        # Offsets of the projection live in PostgreSQL; faust's own consumer reads nothing.
-        topic_allow_declare=True,
+        # faust's own consumer group (its leader topic) would make a restarted worker wait out
+        # the killed member's session before services start; a static member id replaces the
+        # dead member at once. The projection's offsets live in PostgreSQL, not in this group.
+        consumer_group_instance_id=f"{settings.topic_prefix}-projector-0",
+        broker_session_timeout=10.0,
     )
 
     class ProjectorService(mode.Service):  # type: ignore[misc]  # mode ships no type information

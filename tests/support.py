@@ -246,3 +246,32 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
         "anomalies": len(anomalies),
         "dead": len(dead),
     }
+
+
+def env_for(settings: Settings, **extra: str) -> dict[str, str]:
+    """The OPLEDGER_* environment that rebuilds ``settings`` in a child process."""
+    import os  # noqa: PLC0415  # only the process-spawning helpers need it
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPLEDGER_")}
+    env.update(
+        OPLEDGER_HOME=str(settings.home),
+        OPLEDGER_KAFKA_BOOTSTRAP=settings.bootstrap_servers,
+        OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
+        OPLEDGER_PARTITIONS=str(settings.partitions),
+        OPLEDGER_PG_DSN=settings.dsn,
+        OPLEDGER_PROJECTOR_GROUP=settings.projector_group,
+        OPLEDGER_PROJECTOR_BATCH=str(settings.projector_batch),
+        OPLEDGER_PROJECTOR_WEB_PORT=str(settings.projector_web_port),
+        OPLEDGER_LOG_LEVEL="INFO",
+        **extra,
+    )
+    return env
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,153 @@
+"""What every benchmark needs: a private topic prefix and databases, dropped afterwards.
+
+Same recipe as the ``isolated`` test fixture (``tests/conftest.py``), copied rather than imported
+so the benchmarks do not depend on the test tree: ``CREATE DATABASE`` through the ``postgres``
+database, ``ensure_topics`` for the prefix, and on the way out ``DROP DATABASE ... WITH (FORCE)``
+and ``delete_topics`` (retention is infinite, so forgotten topics would stay on disk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from uuid import uuid4
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from ledger.codec import default_codec
+from ledger.domain.events import Transition
+from ledger.settings import Settings
+from ledger.topics import ensure_topics, topic_specs
+
+
+@dataclass(frozen=True, slots=True)
+class Isolated:
+    """Settings on a private prefix and database, plus the DSNs of any extra databases."""
+
+    settings: Settings
+    extra_dsns: tuple[str, ...]
+
+
+def _admin_dsn(settings: Settings) -> str:
+    return make_conninfo(settings.dsn, dbname="postgres")
+
+
+def create_database(settings: Settings, name: str) -> str:
+    with psycopg.connect(_admin_dsn(settings), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return make_conninfo(settings.dsn, dbname=name)
+
+
+def drop_database(settings: Settings, name: str) -> None:
+    with psycopg.connect(_admin_dsn(settings), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@contextmanager
+def isolated(base: Settings, label: str, extra_databases: int = 0) -> Iterator[Isolated]:
+    """A private topic prefix + database (and ``extra_databases`` more), removed on exit."""
+    tag = f"bench{label}{uuid4().hex[:8]}"
+    names = [f"opledger_{tag}"] + [f"opledger_{tag}_{i}" for i in range(extra_databases)]
+    created: list[str] = []
+    settings = base.with_(topic_prefix=tag)
+    try:
+        dsns = []
+        for name in names:
+            dsns.append(create_database(base, name))
+            created.append(name)
+        settings = settings.with_(pg_dsn=dsns[0])
+        ensure_topics(settings)
+        yield Isolated(settings, tuple(dsns[1:]))
+    finally:
+        for name in created:
+            drop_database(base, name)
+        # Our topics, and any a worker made under the same unique prefix (faust's
+        # "<prefix>-projector-__assignor-__leader").
+        admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+        existing = admin.list_topics(timeout=10).topics
+        doomed = {spec.name for spec in topic_specs(settings)} & existing.keys()
+        doomed |= {t for t in existing if t.startswith((f"{tag}.", f"{tag}-"))}
+        if doomed:
+            for future in admin.delete_topics(sorted(doomed)).values():
+                future.exception(timeout=30)
+
+
+def producer(settings: Settings, linger_ms: int = 5) -> Producer:
+    """The producer configuration the tests (and the SDK) append with."""
+    return Producer(
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": linger_ms,
+            "partitioner": "murmur2_random",
+        }
+    )
+
+
+def topic_of(settings: Settings, event: Transition) -> str:
+    return settings.execution_topic if event.kind == "execution" else settings.delivery_topic
+
+
+def produce_all(settings: Settings, events: Iterable[Transition]) -> list[tuple[str, int, int]]:
+    """Append every event keyed by operation_id; returns each one's (topic, partition, offset)."""
+    p = producer(settings)
+    codec = default_codec()
+    coordinates: list[tuple[str, int, int]] = []
+    failures: list[str] = []
+
+    def delivered(i: int) -> Callable[[KafkaError | None, Message], None]:
+        def callback(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                failures.append(str(err))
+                return
+            topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            if topic is None or partition is None or offset is None:
+                failures.append("delivery report without coordinates")
+                return
+            coordinates[i] = (topic, partition, offset)
+
+        return callback
+
+    for index, event in enumerate(events):
+        coordinates.append(("", -1, -1))
+        topic = topic_of(settings, event)
+        value = codec.encode(event)
+        while True:
+            try:
+                p.produce(topic, key=event.operation_id.encode(), value=value,
+                          on_delivery=delivered(index))  # fmt: skip
+                break
+            except BufferError:
+                p.poll(0.05)
+        if index % 1000 == 999:
+            p.poll(0)
+    if p.flush(60) or failures:
+        raise SystemExit(f"broker did not acknowledge every record: {failures[:3]}")
+    return coordinates
+
+
+def end_offsets(settings: Settings, topics: Iterable[str]) -> dict[tuple[str, int], int]:
+    """High watermark per (topic, partition)."""
+    consumer = Consumer(
+        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "bench-probe"}
+    )
+    try:
+        out = {}
+        meta = consumer.list_topics(timeout=10)
+        for topic in topics:
+            for partition in meta.topics[topic].partitions:
+                _, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=10
+                )
+                out[(topic, partition)] = high
+        return out
+    finally:
+        consumer.close()

@@ -1,0 +1,55 @@
+"""The producer SDK: what a service calls to record its operations' transitions.
+
+A service records each step of an operation - ``intent``, ``dispatched``, ``succeeded`` /
+``failed`` / ``unknown``, and per destination ``delivery_pending`` ... ``delivery_acked`` -
+through a :class:`TransitionRecorder`. Each call is checked against the state machines before
+anything is sent (:class:`IllegalTransitionError`), repeats are recognised and not sent twice,
+and a call returns only once the broker has acknowledged the record, so a worker can acknowledge
+its own job right after. Result payloads go to the :class:`ResultStore` (durable first); events
+carry only their ``sha256:`` reference.
+
+    with TransitionRecorder.connect(settings) as recorder:
+        op = recorder.intent("tenant-1", "agent-7", "send_email", {"to": "a@example.com"})
+        recorder.dispatched(op, provider_ref="msg-123")
+        recorder.succeeded(op, b'{"status": "sent"}', content_type="application/json")
+        recorder.delivery_pending(op, "https://hooks.example.com/events")
+"""
+
+from producers.errors import (
+    DeliveryError,
+    DeliveryTimeoutError,
+    IllegalTransitionError,
+    InvalidTransitionError,
+    RecordError,
+    ResultStoreError,
+)
+from producers.operation import OperationState, TrackedOperation
+from producers.recorder import TransitionRecorder, clean_error
+from producers.results import MAX_RESULT_BYTES, ResultStore
+from producers.transport import (
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    KafkaTransport,
+    OutgoingRecord,
+    Transport,
+    producer_config,
+)
+
+__all__ = [
+    "DEFAULT_DELIVERY_TIMEOUT_S",
+    "MAX_RESULT_BYTES",
+    "DeliveryError",
+    "DeliveryTimeoutError",
+    "IllegalTransitionError",
+    "InvalidTransitionError",
+    "KafkaTransport",
+    "OperationState",
+    "OutgoingRecord",
+    "RecordError",
+    "ResultStore",
+    "ResultStoreError",
+    "TrackedOperation",
+    "TransitionRecorder",
+    "Transport",
+    "clean_error",
+    "producer_config",
+]

@@ -1,0 +1,187 @@
+"""What this process knows about one operation, and the pure rules for its next event.
+
+No I/O here: a :class:`TrackedOperation` holds the current execution record and per-destination
+delivery records, builds the next event with the attempt number the fold expects, and folds it
+(:func:`advance`). The recorder sends the event and only then commits the new state to the handle,
+so a handle never claims a transition the broker has not acknowledged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import MappingProxyType
+
+from ledger.domain.events import ExecutionTransitioned, Transition
+from ledger.domain.fold import (
+    Applied,
+    DeliveryRecord,
+    Duplicate,
+    ExecutionRecord,
+    Rejected,
+    apply_delivery,
+    apply_execution,
+)
+from ledger.domain.states import DeliveryState, ExecutionState
+from producers.errors import IllegalTransitionError
+
+
+@dataclass(frozen=True, slots=True)
+class OperationState:
+    """An immutable snapshot: the execution record (None before the intent is known) and one
+    delivery record per destination. Treat ``deliveries`` as read-only; :func:`advance` copies."""
+
+    operation_id: str
+    execution: ExecutionRecord | None = None
+    deliveries: Mapping[str, DeliveryRecord] = field(default_factory=dict)
+
+
+def advance(state: OperationState, event: Transition) -> OperationState | None:
+    """Fold ``event`` into ``state``: the new snapshot, or None if it is a duplicate.
+
+    Raises :class:`IllegalTransitionError` with the fold's reason when the event is refused.
+    """
+    if event.operation_id != state.operation_id:
+        raise IllegalTransitionError(
+            f"event for {event.operation_id} folded into {state.operation_id}"
+        )
+    if isinstance(event, ExecutionTransitioned):
+        outcome = apply_execution(state.execution, event)
+        if isinstance(outcome, Applied):
+            return OperationState(state.operation_id, outcome.record, state.deliveries)
+        _refuse_unless_duplicate(outcome)
+        return None
+    current = state.deliveries.get(event.destination)
+    execution = state.execution
+    if current is None and execution is not None and event.tenant_id != execution.tenant_id:
+        # The delivery fold starts a destination from nothing and cannot see the tenant of
+        # the execution it belongs to; check here so no tenant is handed another's result.
+        raise IllegalTransitionError(
+            f"delivery tenant {event.tenant_id} differs from the execution's {execution.tenant_id}"
+        )
+    delivery = apply_delivery(current, event)
+    if isinstance(delivery, Applied):
+        deliveries = dict(state.deliveries)
+        deliveries[event.destination] = delivery.record
+        return OperationState(state.operation_id, state.execution, deliveries)
+    _refuse_unless_duplicate(delivery)
+    return None
+
+
+def _refuse_unless_duplicate(outcome: Duplicate | Rejected) -> None:
+    if isinstance(outcome, Rejected):
+        raise IllegalTransitionError(outcome.reason)
+
+
+def next_execution_attempt(current: ExecutionRecord, state: ExecutionState) -> int:
+    """The attempt number an event entering ``state`` must carry (see ``fold.apply_execution``).
+
+    DISPATCHED opens a new attempt - except when the operation is already DISPATCHED: then the
+    call is a repeat of the same dispatch, gets the same number and folds as a Duplicate.
+    """
+    if state is ExecutionState.DISPATCHED and current.state is not ExecutionState.DISPATCHED:
+        return current.attempt + 1
+    return current.attempt
+
+
+def next_delivery_attempt(current: DeliveryRecord | None, state: DeliveryState) -> int:
+    """The attempt number for a delivery event entering ``state`` (see ``fold.apply_delivery``).
+
+    A destination starts at PENDING attempt 0; SENT counts a new send unless the record is
+    already SENT (then the call repeats that send and folds as a Duplicate); every other state
+    keeps the count.
+    """
+    if current is None:
+        return 0
+    if state is DeliveryState.SENT and current.state is not DeliveryState.SENT:
+        return current.attempts + 1
+    return current.attempts
+
+
+class TrackedOperation:
+    """One operation's execution and deliveries as known to this process (the SDK's handle).
+
+    Mutated only by the recorder, after the broker acknowledged the event; a lock serialises
+    the recorder's calls on one handle so two threads cannot both claim the same next attempt.
+    """
+
+    __slots__ = ("_lock", "_state")
+
+    def __init__(self, state: OperationState) -> None:
+        self._state = state
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_records(
+        cls, execution: ExecutionRecord | None, deliveries: Iterable[DeliveryRecord] = ()
+    ) -> TrackedOperation:
+        """Rebuild a handle from stored records (recovery after a restart)."""
+        deliveries = list(deliveries)
+        ids = {r.operation_id for r in deliveries}
+        if execution is not None:
+            ids.add(execution.operation_id)
+        if len(ids) != 1:
+            raise ValueError(f"records must belong to exactly one operation, got {sorted(ids)}")
+        if execution is not None and any(d.tenant_id != execution.tenant_id for d in deliveries):
+            raise ValueError("delivery records belong to another tenant than the execution")
+        return cls(OperationState(ids.pop(), execution, {d.destination: d for d in deliveries}))
+
+    @classmethod
+    def unknown(cls, operation_id: str) -> TrackedOperation:
+        """A handle for an operation this process has recorded nothing about yet."""
+        return cls(OperationState(operation_id))
+
+    @property
+    def state(self) -> OperationState:
+        return self._state
+
+    @property
+    def operation_id(self) -> str:
+        return self._state.operation_id
+
+    @property
+    def execution(self) -> ExecutionRecord | None:
+        return self._state.execution
+
+    @property
+    def deliveries(self) -> Mapping[str, DeliveryRecord]:
+        return MappingProxyType(dict(self._state.deliveries))
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by the recorder from building an event until its new state is committed."""
+        return self._lock
+
+    def require_execution(self) -> ExecutionRecord:
+        """The execution record, or IllegalTransitionError if the intent is not recorded."""
+        if self._state.execution is None:
+            raise IllegalTransitionError(
+                f"{self.operation_id}: no INTENT_RECORDED known to this handle"
+            )
+        return self._state.execution
+
+    def commit(self, state: OperationState) -> None:
+        """Adopt ``state`` (the recorder calls this once the broker acknowledged)."""
+        if state.operation_id != self.operation_id:
+            raise ValueError("cannot commit another operation's state")
+        self._state = state
+
+    def __repr__(self) -> str:
+        execution = self._state.execution
+        where = "no execution" if execution is None else f"{execution.state}#{execution.attempt}"
+        deliveries = {d: f"{r.state}#{r.attempts}" for d, r in self._state.deliveries.items()}
+        return f"TrackedOperation({self.operation_id}, {where}, deliveries={deliveries})"
+
+
+def delivery_result_ref(state: OperationState) -> str | None:
+    """The result a delivery of this operation carries: the execution's, when known."""
+    return None if state.execution is None else state.execution.result_ref
+
+
+def as_aware(value: datetime) -> datetime:
+    """Refuse naive datetimes early with a clear message (events need aware timestamps)."""
+    if value.tzinfo is None:
+        raise ValueError("next_attempt_at must be timezone-aware")
+    return value

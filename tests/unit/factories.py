@@ -1,0 +1,146 @@
+"""Builders of valid domain events for the unit tests (not a test module).
+
+Defaults make every event valid; a test overrides only the fields it is about.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+from hypothesis import strategies as st
+
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.ids import content_ref, event_id, operation_id, request_hash
+from ledger.domain.states import DeliveryState, ExecutionState
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+T0_MS = int(T0.timestamp() * 1000)
+OP = operation_id(T0_MS, bytes(range(10)))
+OTHER_OP = operation_id(T0_MS, bytes(range(1, 11)))
+TENANT = "tenant-a"
+ACTOR = "agent:planner"
+TOOL = "payments.refund"
+REQUEST = request_hash(TOOL, {"order": "o-1", "amount_cents": 1250})
+RESULT = content_ref(b'{"refund_id": "r-9"}')
+DESTINATION = "https://hooks.example.com/events"
+
+_counter = itertools.count(1)
+
+
+def fresh_event_id() -> str:
+    """A new, valid, unique event id (retried appends carry new ones, so tests do too)."""
+    return event_id(T0_MS, next(_counter).to_bytes(10, "big"))
+
+
+def execution(state: ExecutionState, attempt: int, **overrides: Any) -> ExecutionTransitioned:
+    """A valid execution event in ``state`` at ``attempt`` with what that state needs."""
+    fields: dict[str, Any] = {
+        "event_id": fresh_event_id(),
+        "operation_id": OP,
+        "tenant_id": TENANT,
+        "actor_id": ACTOR,
+        "occurred_at": T0 + timedelta(seconds=attempt),
+        "attempt": attempt,
+        "state": state,
+        "tool_name": TOOL,
+        "request_hash": REQUEST,
+    }
+    if state is ExecutionState.SUCCEEDED:
+        fields["result_ref"] = RESULT
+    if state in (ExecutionState.FAILED, ExecutionState.UNKNOWN):
+        fields["error"] = f"{state.value.lower()}: provider timeout after 30s"
+    fields.update(overrides)
+    return ExecutionTransitioned(**fields)
+
+
+def delivery(state: DeliveryState, attempt: int, **overrides: Any) -> DeliveryTransitioned:
+    """A valid delivery event in ``state`` at ``attempt`` with what that state needs."""
+    fields: dict[str, Any] = {
+        "event_id": fresh_event_id(),
+        "operation_id": OP,
+        "tenant_id": TENANT,
+        "actor_id": ACTOR,
+        "occurred_at": T0 + timedelta(seconds=attempt),
+        "attempt": attempt,
+        "destination": DESTINATION,
+        "state": state,
+        "result_ref": RESULT,
+    }
+    if state is DeliveryState.DEAD_LETTERED:
+        fields["error"] = "destination answered 410 Gone"
+    fields.update(overrides)
+    return DeliveryTransitioned(**fields)
+
+
+# --- hypothesis strategies -------------------------------------------------------------------
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+ulids = st.text(_CROCKFORD, min_size=26, max_size=26).filter(lambda s: s[0] <= "7")
+operation_ids = ulids.map(lambda u: f"op_{u}")
+event_ids = ulids.map(lambda u: f"ev_{u}")
+sha_refs = st.binary(max_size=64).map(content_ref)
+identifiers = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:@/-]{0,40}\Z")
+tool_names = st.from_regex(r"\A[A-Za-z][A-Za-z0-9._-]{0,40}\Z")
+destinations = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@-]{0,60}\Z")
+provider_refs = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@=+-]{0,60}\Z")
+# Plain prose: never shaped like a credential, so the secret check is not what is exercised.
+error_texts = st.text(
+    st.sampled_from("abcdefghijklmnopqrstuvwxyz 0123456789.,()"), min_size=1, max_size=200
+)
+aware_datetimes = st.builds(
+    lambda naive, offset_min: naive.replace(tzinfo=timezone(timedelta(minutes=offset_min))),
+    st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(2200, 1, 1)),
+    st.integers(min_value=-14 * 60, max_value=14 * 60),
+)
+
+
+@st.composite
+def execution_events(draw: st.DrawFn) -> ExecutionTransitioned:
+    """Any valid execution event, optional fields set or not."""
+    state = draw(st.sampled_from(ExecutionState))
+    if state is ExecutionState.INTENT_RECORDED:
+        attempt = 0
+    elif state is ExecutionState.FAILED:
+        attempt = draw(st.integers(0, 1_000_000))
+    else:
+        attempt = draw(st.integers(1, 1_000_000))
+    needs_result = state is ExecutionState.SUCCEEDED
+    needs_error = state in (ExecutionState.FAILED, ExecutionState.UNKNOWN)
+    return ExecutionTransitioned(
+        event_id=draw(event_ids),
+        operation_id=draw(operation_ids),
+        tenant_id=draw(identifiers),
+        actor_id=draw(identifiers),
+        occurred_at=draw(aware_datetimes),
+        attempt=attempt,
+        state=state,
+        tool_name=draw(tool_names),
+        request_hash=draw(sha_refs),
+        provider_ref=draw(st.none() | provider_refs),
+        result_ref=draw(sha_refs if needs_result else st.none() | sha_refs),
+        error=draw(error_texts if needs_error else st.none() | error_texts),
+    )
+
+
+@st.composite
+def delivery_events(draw: st.DrawFn) -> DeliveryTransitioned:
+    """Any valid delivery event, optional fields set or not."""
+    state = draw(st.sampled_from(DeliveryState))
+    low = 1 if state is DeliveryState.SENT else 0
+    return DeliveryTransitioned(
+        event_id=draw(event_ids),
+        operation_id=draw(operation_ids),
+        tenant_id=draw(identifiers),
+        actor_id=draw(identifiers),
+        occurred_at=draw(aware_datetimes),
+        attempt=draw(st.integers(low, 1_000_000)),
+        destination=draw(destinations),
+        state=state,
+        result_ref=draw(st.none() | sha_refs),
+        next_attempt_at=draw(st.none() | aware_datetimes),
+        error=draw(
+            error_texts if state is DeliveryState.DEAD_LETTERED else st.none() | error_texts
+        ),
+    )

@@ -1,0 +1,521 @@
+"""The fold against the transition tables: exhaustive pairs, and property tests whose invariants
+are named predicates over the accepted history."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise, product
+
+import pytest
+from factories import OTHER_OP, RESULT, delivery, execution
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.fold import (
+    Applied,
+    DeliveryRecord,
+    Duplicate,
+    ExecutionRecord,
+    Rejected,
+    apply_delivery,
+    apply_execution,
+)
+from ledger.domain.ids import request_hash
+from ledger.domain.states import (
+    DELIVERY_TERMINAL,
+    DELIVERY_TRANSITIONS,
+    EXECUTION_TERMINAL,
+    EXECUTION_TRANSITIONS,
+    DeliveryState,
+    ExecutionState,
+    delivery_predecessors,
+    execution_predecessors,
+)
+
+X = ExecutionState
+D = DeliveryState
+
+
+# --- folding helpers --------------------------------------------------------------------------
+
+
+def fold_execution(events: Sequence[ExecutionTransitioned]) -> ExecutionRecord:
+    record = None
+    for event in events:
+        outcome = apply_execution(record, event)
+        assert isinstance(outcome, Applied), f"{event.state}/{event.attempt}: {outcome}"
+        record = outcome.record
+    assert record is not None
+    return record
+
+
+def fold_delivery(events: Sequence[DeliveryTransitioned]) -> DeliveryRecord:
+    record = None
+    for event in events:
+        outcome = apply_delivery(record, event)
+        assert isinstance(outcome, Applied), f"{event.state}/{event.attempt}: {outcome}"
+        record = outcome.record
+    assert record is not None
+    return record
+
+
+# Legal paths into every state, some through a retry, as (state, attempt) steps.
+EXECUTION_PATHS: list[list[tuple[ExecutionState, int]]] = [
+    [(X.INTENT_RECORDED, 0)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.UNKNOWN, 1)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.UNKNOWN, 1), (X.DISPATCHED, 2)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.UNKNOWN, 1), (X.DISPATCHED, 2), (X.UNKNOWN, 2)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.SUCCEEDED, 1)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.UNKNOWN, 1), (X.SUCCEEDED, 1)],
+    [(X.INTENT_RECORDED, 0), (X.DISPATCHED, 1), (X.FAILED, 1)],
+    [(X.INTENT_RECORDED, 0), (X.FAILED, 0)],
+]
+DELIVERY_PATHS: list[list[tuple[DeliveryState, int]]] = [
+    [(D.PENDING, 0)],
+    [(D.PENDING, 0), (D.SENT, 1)],
+    [(D.PENDING, 0), (D.SENT, 1), (D.PENDING, 1)],
+    [(D.PENDING, 0), (D.SENT, 1), (D.PENDING, 1), (D.SENT, 2)],
+    [(D.PENDING, 0), (D.SENT, 1), (D.ACKED, 1)],
+    [(D.PENDING, 0), (D.SENT, 1), (D.PENDING, 1), (D.SENT, 2), (D.ACKED, 2)],
+    [(D.PENDING, 0), (D.DEAD_LETTERED, 0)],
+    [(D.PENDING, 0), (D.SENT, 1), (D.DEAD_LETTERED, 1)],
+]
+
+
+def _path_id(path: Sequence[tuple[object, int]]) -> str:
+    return ">".join(f"{s}{a}" for s, a in path)
+
+
+def test_paths_reach_every_state() -> None:
+    assert {p[-1][0] for p in EXECUTION_PATHS} == set(X)
+    assert {p[-1][0] for p in DELIVERY_PATHS} == set(D)
+
+
+# --- exhaustive tables ------------------------------------------------------------------------
+
+
+def _expected_execution_attempt(current: ExecutionRecord, to: ExecutionState) -> int:
+    return current.attempt + 1 if to is X.DISPATCHED else current.attempt
+
+
+@pytest.mark.parametrize("path", EXECUTION_PATHS, ids=_path_id)
+@pytest.mark.parametrize("to", list(X))
+def test_execution_pairs_follow_the_table(
+    path: list[tuple[ExecutionState, int]], to: ExecutionState
+) -> None:
+    record = fold_execution([execution(s, a) for s, a in path])
+    attempt = _expected_execution_attempt(record, to)
+    try:
+        event = execution(to, attempt)
+    except ValidationError:
+        # e.g. INTENT_RECORDED -> SUCCEEDED at attempt 0 cannot even be written; the table must
+        # not allow such a pair, and any writable attempt is refused by the fold.
+        assert to not in EXECUTION_TRANSITIONS[record.state]
+        event = execution(to, 0 if to is X.INTENT_RECORDED else attempt + 1)
+    outcome = apply_execution(record, event)
+    if to in EXECUTION_TRANSITIONS[record.state]:
+        assert isinstance(outcome, Applied), outcome
+        assert outcome.record.state is to
+        assert outcome.record.attempt == attempt
+        assert outcome.record.version == record.version + 1
+    elif (event.state, event.attempt) in record.seen:
+        assert isinstance(outcome, Duplicate), outcome
+    else:
+        assert isinstance(outcome, Rejected), outcome
+
+
+@pytest.mark.parametrize("path", EXECUTION_PATHS, ids=_path_id)
+@pytest.mark.parametrize("to", list(X))
+@pytest.mark.parametrize("delta", [-1, 1, 2])
+def test_execution_wrong_attempt_is_rejected(
+    path: list[tuple[ExecutionState, int]], to: ExecutionState, delta: int
+) -> None:
+    record = fold_execution([execution(s, a) for s, a in path])
+    attempt = _expected_execution_attempt(record, to) + delta
+    try:
+        event = execution(to, attempt)
+    except ValidationError:
+        return  # not writable at all
+    outcome = apply_execution(record, event)
+    assert not isinstance(outcome, Applied), outcome
+    assert isinstance(outcome, Duplicate) == ((to, attempt) in record.seen)
+
+
+@pytest.mark.parametrize("path", DELIVERY_PATHS, ids=_path_id)
+@pytest.mark.parametrize("to", list(D))
+def test_delivery_pairs_follow_the_table(
+    path: list[tuple[DeliveryState, int]], to: DeliveryState
+) -> None:
+    record = fold_delivery([delivery(s, a) for s, a in path])
+    attempt = record.attempts + 1 if to is D.SENT else record.attempts
+    outcome = apply_delivery(record, delivery(to, attempt))
+    if to in DELIVERY_TRANSITIONS[record.state]:
+        assert isinstance(outcome, Applied), outcome
+        assert outcome.record.state is to
+        assert outcome.record.attempts == attempt
+    elif (to, attempt) in record.seen:
+        assert isinstance(outcome, Duplicate), outcome
+    else:
+        assert isinstance(outcome, Rejected), outcome
+
+
+@pytest.mark.parametrize("path", DELIVERY_PATHS, ids=_path_id)
+@pytest.mark.parametrize("to", list(D))
+@pytest.mark.parametrize("delta", [-1, 1, 2])
+def test_delivery_wrong_attempt_is_rejected(
+    path: list[tuple[DeliveryState, int]], to: DeliveryState, delta: int
+) -> None:
+    record = fold_delivery([delivery(s, a) for s, a in path])
+    attempt = (record.attempts + 1 if to is D.SENT else record.attempts) + delta
+    try:
+        event = delivery(to, attempt)
+    except ValidationError:
+        return
+    outcome = apply_delivery(record, event)
+    assert not isinstance(outcome, Applied), outcome
+    assert isinstance(outcome, Duplicate) == ((to, attempt) in record.seen)
+
+
+def test_tables_are_total_and_terminals_are_as_documented() -> None:
+    assert set(EXECUTION_TRANSITIONS) == set(X)
+    assert set(DELIVERY_TRANSITIONS) == set(D)
+    assert {X.SUCCEEDED, X.FAILED} == EXECUTION_TERMINAL
+    assert {D.ACKED, D.DEAD_LETTERED} == DELIVERY_TERMINAL
+    assert execution_predecessors(X.UNKNOWN) == {X.DISPATCHED}
+    assert execution_predecessors(X.DISPATCHED) == {X.INTENT_RECORDED, X.UNKNOWN}
+    assert execution_predecessors(X.INTENT_RECORDED) == frozenset()
+    assert delivery_predecessors(D.ACKED) == {D.SENT}
+    assert delivery_predecessors(D.PENDING) == {D.SENT}
+
+
+# --- first events and identity ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [s for s in X if s is not X.INTENT_RECORDED])
+def test_first_execution_event_must_be_the_intent(state: ExecutionState) -> None:
+    outcome = apply_execution(None, execution(state, 1))
+    assert isinstance(outcome, Rejected)
+    assert "INTENT_RECORDED" in outcome.reason
+
+
+@pytest.mark.parametrize(("state", "attempt"), [(D.SENT, 1), (D.ACKED, 0), (D.PENDING, 1)])
+def test_first_delivery_event_must_be_pending_attempt_zero(
+    state: DeliveryState, attempt: int
+) -> None:
+    assert isinstance(apply_delivery(None, delivery(state, attempt)), Rejected)
+
+
+def test_intent_record_copies_the_event() -> None:
+    event = execution(X.INTENT_RECORDED, 0, provider_ref="p-1")
+    record = fold_execution([event])
+    assert (record.operation_id, record.tenant_id, record.tool_name) == (
+        event.operation_id,
+        event.tenant_id,
+        event.tool_name,
+    )
+    assert (record.state, record.attempt, record.version) == (X.INTENT_RECORDED, 0, 1)
+    assert record.created_at == record.updated_at == record.state_entered_at == event.occurred_at
+    assert record.provider_ref == "p-1"
+
+
+# Each of these names the identity field it changes; `state, attempt` is a legal next step AND,
+# in the "dup" variants, an already-recorded one: identity is checked before duplicates.
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tenant_id", "tenant-b"),
+        ("tool_name", "payments.charge"),
+        ("request_hash", request_hash("payments.refund", {"order": "o-2"})),
+    ],
+)
+@pytest.mark.parametrize(
+    ("state", "attempt"), [(X.DISPATCHED, 2), (X.UNKNOWN, 1)], ids=["next", "dup"]
+)
+def test_execution_identity_change_is_rejected(
+    field: str, value: str, state: ExecutionState, attempt: int
+) -> None:
+    record = fold_execution([execution(s, a) for s, a in EXECUTION_PATHS[2]])  # UNKNOWN at 1
+    outcome = apply_execution(record, execution(state, attempt, **{field: value}))
+    assert isinstance(outcome, Rejected), outcome
+    assert isinstance(apply_execution(record, execution(state, attempt)), Applied | Duplicate)
+
+
+@pytest.mark.parametrize(("state", "attempt"), [(D.ACKED, 1), (D.SENT, 1)], ids=["next", "dup"])
+def test_delivery_tenant_change_is_rejected(state: DeliveryState, attempt: int) -> None:
+    record = fold_delivery([delivery(s, a) for s, a in DELIVERY_PATHS[1]])  # SENT at 1
+    outcome = apply_delivery(record, delivery(state, attempt, tenant_id="tenant-b"))
+    assert isinstance(outcome, Rejected), outcome
+    assert "tenant" in outcome.reason
+
+
+def test_another_operations_record_is_a_programming_error() -> None:
+    record = fold_execution([execution(X.INTENT_RECORDED, 0)])
+    with pytest.raises(ValueError, match="another operation"):
+        apply_execution(record, execution(X.DISPATCHED, 1, operation_id=OTHER_OP))
+    drecord = fold_delivery([delivery(D.PENDING, 0)])
+    with pytest.raises(ValueError, match="another"):
+        apply_delivery(drecord, delivery(D.SENT, 1, destination="other-destination"))
+    with pytest.raises(ValueError, match="another"):
+        apply_delivery(drecord, delivery(D.SENT, 1, operation_id=OTHER_OP))
+
+
+def test_refs_are_kept_once_learned_and_error_is_per_state() -> None:
+    record = fold_execution(
+        [
+            execution(X.INTENT_RECORDED, 0),
+            execution(X.DISPATCHED, 1, provider_ref="prov-1"),
+            execution(X.UNKNOWN, 1),
+            execution(X.SUCCEEDED, 1, result_ref=RESULT),
+        ]
+    )
+    assert (record.provider_ref, record.result_ref, record.error) == ("prov-1", RESULT, None)
+    assert record.version == 4
+
+
+# --- property tests: named invariants over the accepted history -------------------------------
+
+EState = tuple[ExecutionState, int]
+
+
+def first_is_intent_recorded(history: Sequence[ExecutionTransitioned]) -> bool:
+    return not history or (history[0].state is X.INTENT_RECORDED and history[0].attempt == 0)
+
+
+def no_transition_leaves_a_terminal_state(
+    history: Sequence[ExecutionTransitioned | DeliveryTransitioned],
+) -> bool:
+    terminal = EXECUTION_TERMINAL | DELIVERY_TERMINAL
+    return all(event.state not in terminal for event in history[:-1])
+
+
+def attempts_never_go_back(history: Sequence[ExecutionTransitioned | DeliveryTransitioned]) -> bool:
+    return all(a.attempt <= b.attempt for a, b in pairwise(history))
+
+
+def every_step_is_in_the_execution_table(history: Sequence[ExecutionTransitioned]) -> bool:
+    return all(b.state in EXECUTION_TRANSITIONS[a.state] for a, b in pairwise(history))
+
+
+def only_a_dispatch_starts_a_new_attempt(history: Sequence[ExecutionTransitioned]) -> bool:
+    return all(
+        b.attempt == a.attempt + (1 if b.state is X.DISPATCHED else 0) for a, b in pairwise(history)
+    )
+
+
+def unknown_is_left_only_by_reconciliation_outcomes(
+    history: Sequence[ExecutionTransitioned],
+) -> bool:
+    # Out of UNKNOWN: what the provider says happened (SUCCEEDED/FAILED of the same attempt), or
+    # an explicitly allowed new dispatch with a new attempt number. Never a silent re-dispatch.
+    for a, b in pairwise(history):
+        if a.state is X.UNKNOWN:
+            if b.state in (X.SUCCEEDED, X.FAILED) and b.attempt == a.attempt:
+                continue
+            if b.state is X.DISPATCHED and b.attempt == a.attempt + 1:
+                continue
+            return False
+    return True
+
+
+def succeeded_has_a_result(record: ExecutionRecord) -> bool:
+    return record.state is not X.SUCCEEDED or record.result_ref is not None
+
+
+def record_summarises_history(
+    record: ExecutionRecord | DeliveryRecord | None,
+    history: Sequence[ExecutionTransitioned | DeliveryTransitioned],
+) -> bool:
+    if not history:
+        return record is None
+    assert record is not None
+    attempt = record.attempt if isinstance(record, ExecutionRecord) else record.attempts
+    return (
+        record.state is history[-1].state
+        and attempt == history[-1].attempt
+        and record.version == len(history)
+        and record.seen == {(e.state, e.attempt) for e in history}
+        and record.created_at == history[0].occurred_at
+        and record.state_entered_at == history[-1].occurred_at
+    )
+
+
+def acked_implies_sent_earlier(history: Sequence[DeliveryTransitioned]) -> bool:
+    for i, event in enumerate(history):
+        if event.state is D.ACKED:
+            sent = [e for e in history[:i] if e.state is D.SENT and e.attempt == event.attempt]
+            if not sent or history[i - 1] is not sent[-1]:
+                return False
+    return True
+
+
+def sent_increments_attempts_by_one(history: Sequence[DeliveryTransitioned]) -> bool:
+    return all(
+        b.attempt == a.attempt + (1 if b.state is D.SENT else 0) for a, b in pairwise(history)
+    )
+
+
+def first_is_pending_at_zero(history: Sequence[DeliveryTransitioned]) -> bool:
+    return not history or (history[0].state is D.PENDING and history[0].attempt == 0)
+
+
+def every_step_is_in_the_delivery_table(history: Sequence[DeliveryTransitioned]) -> bool:
+    return all(b.state in DELIVERY_TRANSITIONS[a.state] for a, b in pairwise(history))
+
+
+def duplicates_change_nothing(apply: object, record: object, history: Sequence[object]) -> bool:
+    """Re-applying any accepted event is a Duplicate, and the record stays as it was."""
+    before = record
+    for event in history:
+        if not isinstance(apply(record, event), Duplicate):  # type: ignore[operator]  # either fold
+            return False
+    return record == before
+
+
+def _writable_execution(state: ExecutionState, attempt: int, index: int) -> ExecutionTransitioned:
+    if state is X.INTENT_RECORDED:
+        attempt = 0
+    elif attempt == 0 and state is not X.FAILED:
+        attempt = 1
+    return execution(state, attempt, provider_ref=f"prov-{index}")
+
+
+@st.composite
+def execution_streams(draw: st.DrawFn) -> list[ExecutionTransitioned]:
+    """A stream that mixes legal next steps, replays and arbitrary (mostly illegal) events."""
+    events: list[ExecutionTransitioned] = []
+    record: ExecutionRecord | None = None
+    for index in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["legal", "legal", "random", "replay"]))
+        if kind == "replay" and events:
+            event = draw(st.sampled_from(events))
+        elif kind == "legal" and record is not None and EXECUTION_TRANSITIONS[record.state]:
+            to = draw(st.sampled_from(sorted(EXECUTION_TRANSITIONS[record.state])))
+            attempt = record.attempt + 1 if to is X.DISPATCHED else record.attempt
+            event = _writable_execution(to, attempt, index)
+        else:
+            event = _writable_execution(draw(st.sampled_from(X)), draw(st.integers(0, 4)), index)
+        outcome = apply_execution(record, event)
+        if isinstance(outcome, Applied):
+            record = outcome.record
+        events.append(event)
+    return events
+
+
+@st.composite
+def delivery_streams(draw: st.DrawFn) -> list[DeliveryTransitioned]:
+    events: list[DeliveryTransitioned] = []
+    record: DeliveryRecord | None = None
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["legal", "legal", "random", "replay"]))
+        if kind == "replay" and events:
+            event = draw(st.sampled_from(events))
+        elif kind == "legal" and record is not None and DELIVERY_TRANSITIONS[record.state]:
+            to = draw(st.sampled_from(sorted(DELIVERY_TRANSITIONS[record.state])))
+            event = delivery(to, record.attempts + 1 if to is D.SENT else record.attempts)
+        else:
+            state = draw(st.sampled_from(D))
+            attempt = draw(st.integers(1 if state is D.SENT else 0, 4))
+            event = delivery(state, attempt)
+        outcome = apply_delivery(record, event)
+        if isinstance(outcome, Applied):
+            record = outcome.record
+        events.append(event)
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(execution_streams())
+def test_execution_fold_invariants(stream: list[ExecutionTransitioned]) -> None:
+    record: ExecutionRecord | None = None
+    accepted: list[ExecutionTransitioned] = []
+    for event in stream:
+        outcome = apply_execution(record, event)
+        if isinstance(outcome, Applied):
+            record = outcome.record
+            accepted.append(event)
+            assert succeeded_has_a_result(record)
+        elif isinstance(outcome, Duplicate):
+            assert any((e.state, e.attempt) == (event.state, event.attempt) for e in accepted)
+
+    assert first_is_intent_recorded(accepted)
+    assert no_transition_leaves_a_terminal_state(accepted)
+    assert attempts_never_go_back(accepted)
+    assert every_step_is_in_the_execution_table(accepted)
+    assert only_a_dispatch_starts_a_new_attempt(accepted)
+    assert unknown_is_left_only_by_reconciliation_outcomes(accepted)
+    assert record_summarises_history(record, accepted)
+    if record is not None:
+        assert duplicates_change_nothing(apply_execution, record, accepted)
+        # Folding only the accepted events gives the same record: rejected ones left no trace.
+        assert fold_execution(accepted) == record
+
+
+@settings(max_examples=300, deadline=None)
+@given(delivery_streams())
+def test_delivery_fold_invariants(stream: list[DeliveryTransitioned]) -> None:
+    record: DeliveryRecord | None = None
+    accepted: list[DeliveryTransitioned] = []
+    for event in stream:
+        outcome = apply_delivery(record, event)
+        if isinstance(outcome, Applied):
+            record = outcome.record
+            accepted.append(event)
+            if record.state is not D.PENDING:
+                assert record.next_attempt_at is None
+        elif isinstance(outcome, Duplicate):
+            assert any((e.state, e.attempt) == (event.state, event.attempt) for e in accepted)
+
+    assert first_is_pending_at_zero(accepted)
+    assert no_transition_leaves_a_terminal_state(accepted)
+    assert attempts_never_go_back(accepted)
+    assert every_step_is_in_the_delivery_table(accepted)
+    assert acked_implies_sent_earlier(accepted)
+    assert sent_increments_attempts_by_one(accepted)
+    assert record_summarises_history(record, accepted)
+    if record is not None:
+        assert duplicates_change_nothing(apply_delivery, record, accepted)
+        assert fold_delivery(accepted) == record
+
+
+# The predicates must be able to fail, or the property tests above prove nothing.
+def test_predicates_catch_bad_histories() -> None:
+    i0, d1, u1 = (
+        execution(X.INTENT_RECORDED, 0),
+        execution(X.DISPATCHED, 1),
+        execution(X.UNKNOWN, 1),
+    )
+    s1, d2 = execution(X.SUCCEEDED, 1), execution(X.DISPATCHED, 2)
+    assert not first_is_intent_recorded([d1])
+    assert not no_transition_leaves_a_terminal_state([i0, d1, s1, d2])
+    assert not attempts_never_go_back([i0, d2, u1])
+    assert not every_step_is_in_the_execution_table([i0, s1])
+    assert not only_a_dispatch_starts_a_new_attempt([i0, d1, execution(X.UNKNOWN, 2)])
+    assert not unknown_is_left_only_by_reconciliation_outcomes(
+        [i0, d1, u1, execution(X.DISPATCHED, 1)]
+    )
+    assert unknown_is_left_only_by_reconciliation_outcomes([i0, d1, u1, d2])
+    p0, sent1, a1 = delivery(D.PENDING, 0), delivery(D.SENT, 1), delivery(D.ACKED, 1)
+    assert acked_implies_sent_earlier([p0, sent1, a1])
+    assert not acked_implies_sent_earlier([p0, a1])
+    assert not acked_implies_sent_earlier([p0, sent1, delivery(D.PENDING, 1), a1])
+    assert not sent_increments_attempts_by_one([p0, delivery(D.SENT, 2)])
+    assert not first_is_pending_at_zero([sent1])
+    record = fold_execution([i0, d1])
+    assert not duplicates_change_nothing(apply_execution, record, [u1])
+    assert not record_summarises_history(record, [i0])
+
+
+@pytest.mark.parametrize("combo", list(product([X.SUCCEEDED, X.FAILED], list(X))))
+def test_nothing_leaves_a_terminal_execution(combo: tuple[ExecutionState, ExecutionState]) -> None:
+    terminal, to = combo
+    path = next(p for p in EXECUTION_PATHS if p[-1][0] is terminal)
+    record = fold_execution([execution(s, a) for s, a in path])
+    for attempt in range(4):
+        try:
+            event = execution(to, attempt)
+        except ValidationError:
+            continue
+        assert not isinstance(apply_execution(record, event), Applied)
