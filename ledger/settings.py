@@ -74,6 +74,9 @@ class Settings:
     projector_batch: int = 5000
     #: OPLEDGER_PROJECTOR_WEB_PORT: port of the projector's faust web server (/metrics).
     projector_web_port: int = 16066
+    #: OPLEDGER_PROJECTOR_WEB_BIND: address the projector's web server binds; loopback unless a
+    #: container must expose /metrics to its network.
+    projector_web_bind: str = "127.0.0.1"
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -97,6 +100,7 @@ class Settings:
             projector_group=env.get("OPLEDGER_PROJECTOR_GROUP", "opledger-projector"),
             projector_batch=_int(env, "OPLEDGER_PROJECTOR_BATCH", 5000),
             projector_web_port=_int(env, "OPLEDGER_PROJECTOR_WEB_PORT", 16066),
+            projector_web_bind=env.get("OPLEDGER_PROJECTOR_WEB_BIND", "127.0.0.1"),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )

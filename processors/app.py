@@ -30,7 +30,7 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
         broker=f"kafka://{settings.bootstrap_servers}",
         store="memory://",
         web_enabled=True,
-        web_bind="127.0.0.1",
+        web_bind=settings.projector_web_bind,
         web_port=settings.projector_web_port,
         web_in_thread=False,
         # faust's own consumer group (its leader topic) would make a restarted worker wait out
