@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ledger.settings import Settings, SettingsError
-from opledger import projector, stack
+from opledger import demo, ops, projector, stack
 
 if TYPE_CHECKING:
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -72,7 +72,7 @@ def register_stack(commands: Commands) -> None:
 
 #: Every subcommand group. To add one, write ``register(commands)`` in your module (keep its
 #: top-level imports light; point handlers at "module:function" strings) and list it here.
-REGISTRARS: list[Registrar] = [register_stack, projector.register]
+REGISTRARS: list[Registrar] = [register_stack, projector.register, ops.register, demo.register]
 
 
 def build_parser(registrars: Sequence[Registrar] = REGISTRARS) -> argparse.ArgumentParser:

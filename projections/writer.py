@@ -75,9 +75,13 @@ def _parse_seen_delivery(values: Sequence[str]) -> frozenset[tuple[DeliveryState
     return frozenset((DeliveryState(s), int(a)) for s, a in pairs)
 
 
+# ``state._value_`` rather than ``state.value``: the same string, read as a plain attribute
+# instead of through the enum's property (one of these per event and per changed row).
+
+
 def _op_row(r: ExecutionRecord) -> tuple[Any, ...]:
     return (
-        r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, r.state.value,
+        r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, r.state._value_,
         r.attempt, r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
         r.state_entered_at, r.version, _seen_text(r.seen),
     )  # fmt: skip
@@ -85,7 +89,7 @@ def _op_row(r: ExecutionRecord) -> tuple[Any, ...]:
 
 def _delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
     return (
-        r.operation_id, r.destination, r.tenant_id, r.actor_id, r.state.value, r.attempts,
+        r.operation_id, r.destination, r.tenant_id, r.actor_id, r.state._value_, r.attempts,
         r.result_ref, r.next_attempt_at, r.error, r.created_at, r.updated_at,
         r.state_entered_at, r.version, _seen_text(r.seen),
     )  # fmt: skip
@@ -99,7 +103,7 @@ def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
         machine, destination, provider_ref = "delivery", e.destination, None
     return (
         c.topic, c.partition, c.offset, e.event_id, e.operation_id, e.tenant_id, e.actor_id,
-        machine, destination, e.state.value, e.attempt, outcome, provider_ref, e.result_ref,
+        machine, destination, e.state._value_, e.attempt, outcome, provider_ref, e.result_ref,
         e.error, e.occurred_at,
     )  # fmt: skip
 
@@ -367,8 +371,13 @@ class PostgresProjection:
         changed: dict[Any, tuple[Any, int, str | None]],
     ) -> None:
         to_row = _op_row if table == "agent_operations" else _delivery_row
-        new_rows = [to_row(r) for r, version, _ in changed.values() if version == 0]
-        updates = [(*to_row(r), version, state) for r, version, state in changed.values() if version]
+        new_rows: list[tuple[Any, ...]] = []
+        updates: list[tuple[Any, ...]] = []
+        for r, version, state in changed.values():
+            if version:
+                updates.append((*to_row(r), version, state))
+            else:
+                new_rows.append(to_row(r))
         # New rows go straight in: their key's partition is owned by this transaction (offset
         # rows are locked), so a primary-key clash means a second writer, and must fail loudly.
         self._copy(cur, table, columns, new_rows)

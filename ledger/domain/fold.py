@@ -11,7 +11,7 @@ of events means the same thing wherever it is read. An outcome is one of:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Generic, TypeVar
 
@@ -133,17 +133,24 @@ def apply_execution(
         return Rejected(
             f"{current.state} -> {event.state} needs attempt {expected_attempt}, got {event.attempt}"
         )
+    # Built field by field rather than with dataclasses.replace: the fold runs once per event
+    # in the projector and the SDK, and replace() costs several times a direct construction.
+    occurred_at = event.occurred_at
     return Applied(
-        replace(
-            current,
+        ExecutionRecord(
+            operation_id=current.operation_id,
+            tenant_id=current.tenant_id,
             actor_id=event.actor_id,
+            tool_name=current.tool_name,
+            request_hash=current.request_hash,
             state=event.state,
             attempt=event.attempt,
             provider_ref=event.provider_ref or current.provider_ref,
             result_ref=event.result_ref or current.result_ref,
             error=event.error,
-            updated_at=max(current.updated_at, event.occurred_at),
-            state_entered_at=event.occurred_at,
+            created_at=current.created_at,
+            updated_at=occurred_at if occurred_at > current.updated_at else current.updated_at,  # max()
+            state_entered_at=occurred_at,
             version=current.version + 1,
             seen=current.seen | {(event.state, event.attempt)},
         )
@@ -189,17 +196,21 @@ def apply_delivery(current: DeliveryRecord | None, event: DeliveryTransitioned) 
         return Rejected(
             f"{current.state} -> {event.state} needs attempt {expected_attempt}, got {event.attempt}"
         )
+    occurred_at = event.occurred_at
     return Applied(
-        replace(
-            current,
+        DeliveryRecord(
+            operation_id=current.operation_id,
+            destination=current.destination,
+            tenant_id=current.tenant_id,
             actor_id=event.actor_id,
             state=event.state,
             attempts=event.attempt,
             result_ref=event.result_ref or current.result_ref,
             next_attempt_at=event.next_attempt_at if event.state is DeliveryState.PENDING else None,
             error=event.error,
-            updated_at=max(current.updated_at, event.occurred_at),
-            state_entered_at=event.occurred_at,
+            created_at=current.created_at,
+            updated_at=occurred_at if occurred_at > current.updated_at else current.updated_at,  # max()
+            state_entered_at=occurred_at,
             version=current.version + 1,
             seen=current.seen | {(event.state, event.attempt)},
         )

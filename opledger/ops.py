@@ -1,0 +1,321 @@
+"""``opledger ops list|show``: the analyst queries (``projections.queries``) as tables.
+
+Registration only imports argparse-level things; psycopg, rich and the queries are imported by
+the handlers, so other subcommands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ledger.settings import Settings
+
+if TYPE_CHECKING:
+    import psycopg
+    from rich.console import Console
+
+    from projections.queries import DeliveryRow, HistoryRow, OperationDetail, OperationRow
+
+#: Exit code for errors whose message says how to fix them (same as ``opledger.cli``).
+EXIT_USAGE = 2
+
+_DURATION = re.compile(r"^(\d+)([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``5m``, ``2h``, ``1d``, ``1w`` -> timedelta (argparse type; bad input exits 2)."""
+    match = _DURATION.match(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (a positive whole number and a unit: 90s, 5m, 2h, 1d, 1w)"
+        )
+    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def register(commands: Any) -> None:
+    """``opledger ops list`` and ``opledger ops show``."""
+    parser = commands.add_parser("ops", help="look up operations in the projections (per tenant)")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    list_parser = actions.add_parser(
+        "list", help="a tenant's operations, oldest state change first"
+    )
+    list_parser.add_argument("--tenant", required=True, help="tenant id (reads are per tenant)")
+    list_parser.add_argument(
+        "--state",
+        type=str.upper,
+        help="execution state: INTENT_RECORDED, DISPATCHED, SUCCEEDED, FAILED or UNKNOWN",
+    )
+    list_parser.add_argument("--tool", help="only this tool name")
+    list_parser.add_argument(
+        "--older-than",
+        type=parse_duration,
+        metavar="DURATION",
+        help="current state entered longer ago than this (90s, 5m, 2h, 1d, 1w)",
+    )
+    list_parser.add_argument(
+        "--limit", type=_limit, default=50, help="most rows to show (default 50)"
+    )
+    list_parser.set_defaults(handler="opledger.ops:list_command")
+    show_parser = actions.add_parser(
+        "show", help="one operation: execution, deliveries, full history and anomalies"
+    )
+    show_parser.add_argument("operation_id", metavar="OP_ID")
+    show_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
+    show_parser.set_defaults(handler="opledger.ops:show_command")
+
+
+def _fail(message: str) -> int:
+    print(f"opledger: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _connect(settings: Settings) -> psycopg.Connection[Any]:
+    import psycopg  # noqa: PLC0415  # handlers only: `opledger stack up` must not import it
+
+    # Read-only and autocommit: an analyst's lookup must never hold locks the projector waits on.
+    conn = psycopg.connect(
+        settings.dsn, connect_timeout=5, autocommit=True, application_name="opledger-ops"
+    )
+    conn.read_only = True
+    return conn
+
+
+def _run(settings: Settings, query: Any) -> tuple[int, Any]:
+    """Run ``query(conn)``, turning expected failures into a message and exit code 2."""
+    import psycopg  # noqa: PLC0415
+
+    from ledger.domain.redact import redact  # noqa: PLC0415
+    from projections.queries import QueryError  # noqa: PLC0415
+
+    try:
+        with _connect(settings) as conn:
+            return 0, query(conn)
+    except QueryError as exc:
+        return _fail(str(exc)), None
+    except psycopg.errors.UndefinedTable:
+        return _fail(
+            "the projection tables do not exist yet: run `opledger projector run` "
+            "(or `opledger demo`) first"
+        ), None
+    except psycopg.OperationalError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _fail(
+            f"cannot reach PostgreSQL at {redact(settings.dsn)}: {first_line}\n"
+            "is the stack up? start it with `opledger stack up`"
+        ), None
+
+
+def list_command(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger ops list``."""
+    from projections import queries  # noqa: PLC0415
+
+    code, rows = _run(
+        settings,
+        lambda conn: queries.list_operations(
+            conn,
+            args.tenant,
+            state=args.state,
+            tool=args.tool,
+            older_than=args.older_than,
+            limit=args.limit,
+        ),
+    )
+    if code:
+        return code
+    console = _console()
+    console.print(_operations_table(rows, args))
+    return 0
+
+
+def show_command(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger ops show OP_ID``."""
+    from projections import queries  # noqa: PLC0415
+
+    code, detail = _run(
+        settings, lambda conn: queries.show_operation(conn, args.tenant, args.operation_id)
+    )
+    if code:
+        return code
+    if detail is None:
+        return _fail(f"no operation {args.operation_id} for tenant {args.tenant}")
+    _print_detail(_console(), detail)
+    return 0
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _console() -> Console:
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured: never truncate ids to the 80-column default.
+        console = Console(width=240)
+    return console
+
+
+def format_age(age: timedelta) -> str:
+    """``3d 4h``, ``2h 5m``, ``4m 10s``, ``7s``: two units are enough to judge staleness."""
+    seconds = int(age.total_seconds())
+    if seconds < 0:
+        return "in the future"
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {seconds}s"
+    return f"{seconds}s"
+
+
+def _age(moment: datetime | None) -> str:
+    return "-" if moment is None else format_age(datetime.now(moment.tzinfo) - moment)
+
+
+def _when(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.isoformat(sep=" ", timespec="milliseconds")
+
+
+_STATE_STYLE = {
+    "SUCCEEDED": "green",
+    "ACKED": "green",
+    "FAILED": "red",
+    "DEAD_LETTERED": "red",
+    "UNKNOWN": "bold yellow",
+    "DISPATCHED": "cyan",
+    "SENT": "cyan",
+}
+
+
+def _state(value: str) -> str:
+    style = _STATE_STYLE.get(value)
+    return f"[{style}]{value}[/]" if style else value
+
+
+def _operations_table(rows: list[OperationRow], args: argparse.Namespace) -> Any:
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    filters = [f"tenant {args.tenant}"]
+    if args.state:
+        filters.append(f"state {args.state}")
+    if args.tool:
+        filters.append(f"tool {args.tool}")
+    if args.older_than:
+        filters.append(f"older than {args.older_than}")
+    table = Table(title=f"{len(rows)} operations ({', '.join(filters)})", title_justify="left")
+    for column in ("operation_id", "tool", "state", "attempt", "in state for", "actor", "error"):
+        table.add_column(column, no_wrap=column != "error")
+    for r in rows:
+        table.add_row(
+            r.operation_id,
+            r.tool_name,
+            _state(r.execution_state.value),
+            str(r.attempt),
+            _age(r.state_entered_at),
+            escape(r.actor_id),
+            escape(r.error or ""),
+        )
+    return table
+
+
+def _print_detail(console: Console, detail: OperationDetail) -> None:
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    op = detail.operation
+    if op is None:
+        console.print("[yellow]no execution recorded for this operation (deliveries only)[/]")
+    else:
+        table = Table(title=f"operation {op.operation_id}", title_justify="left", show_header=False)
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        for name, value in (
+            ("tenant", op.tenant_id),
+            ("actor", op.actor_id),
+            ("tool", op.tool_name),
+            ("execution state", _state(op.execution_state.value)),
+            ("attempt", str(op.attempt)),
+            ("in state for", _age(op.state_entered_at)),
+            ("provider_ref", escape(op.provider_ref or "-")),
+            ("result_ref", op.result_ref or "-"),
+            ("error", escape(op.error or "-")),
+            ("created", _when(op.created_at)),
+            ("updated", _when(op.updated_at)),
+        ):
+            table.add_row(name, value)
+        console.print(table)
+    if detail.deliveries:
+        console.print(_deliveries_table(detail.deliveries))
+    else:
+        console.print("deliveries: none (only a SUCCEEDED execution is delivered)")
+    console.print(_history_table(detail.history))
+    if detail.anomalies:
+        table = Table(title="anomalies (never applied)", title_justify="left")
+        for column in ("topic/partition/offset", "machine", "reason"):
+            table.add_column(column)
+        for a in detail.anomalies:
+            table.add_row(f"{a.topic}/{a.partition}/{a.offset}", a.machine, escape(a.reason))
+        console.print(table)
+    else:
+        console.print("anomalies: none")
+
+
+def _deliveries_table(rows: list[DeliveryRow]) -> Any:
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=f"deliveries ({len(rows)})", title_justify="left")
+    for column in ("destination", "state", "attempts", "next attempt at", "error"):
+        table.add_column(column, no_wrap=column != "error")
+    for d in rows:
+        table.add_row(
+            d.destination,
+            _state(d.state.value),
+            str(d.attempts),
+            _when(d.next_attempt_at),
+            escape(d.error or ""),
+        )
+    return table
+
+
+def _history_table(rows: list[HistoryRow]) -> Any:
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=f"history ({len(rows)} events)", title_justify="left")
+    for column in ("occurred at", "topic/partition/offset", "machine", "state", "attempt",
+                   "outcome", "error"):  # fmt: skip
+        table.add_column(column, no_wrap=column != "error")
+    for h in rows:
+        machine = h.machine if h.destination is None else f"delivery {h.destination}"
+        outcome = h.outcome if h.outcome == "applied" else f"[yellow]{h.outcome}[/]"
+        table.add_row(
+            _when(h.occurred_at),
+            f"{h.topic}/{h.partition}/{h.offset}",
+            machine,
+            _state(h.state),
+            str(h.attempt),
+            outcome,
+            escape(h.error or ""),
+        )
+    return table
