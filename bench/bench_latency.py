@@ -84,9 +84,14 @@ def operations(events: int, seed: int) -> list[list[Encoded]]:
 
 
 def paced_append(
-    settings: Settings, p: Producer, ops: Sequence[list[Encoded]], *, rate: float, tick_s: float,
+    settings: Settings,
+    p: Producer,
+    ops: Sequence[list[Encoded]],
+    *,
+    rate: float,
+    tick_s: float,
     clocks: Clocks,
-) -> float:  # fmt: skip
+) -> float:
     """Append ``ops`` at ``rate`` events/s, flushing every tick; returns the achieved rate."""
     if not settings.topic_prefix.startswith("bench"):
         raise SystemExit(f"refusing to append to non-benchmark topics {settings.topic_prefix}.*")
@@ -208,8 +213,11 @@ def start_projector(
     # cwd: faust keeps a <app>-data directory in the working directory.
     return subprocess.Popen(
         [sys.executable, "-m", "opledger.cli", "projector", "run"],
-        cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        cwd=workdir,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def stop_projector(proc: subprocess.Popen[bytes], workdir: Path) -> None:
@@ -235,8 +243,9 @@ def projector_phase(
             # One producer per phase, warmed up too (an idempotent producer's first batch waits
             # for its producer id and metadata).
             p = producer(settings, linger_ms=1)
-            paced_append(settings, p, [warmup], rate=args.rate, tick_s=args.tick_ms / 1000,
-                         clocks=Clocks())  # fmt: skip
+            paced_append(
+                settings, p, [warmup], rate=args.rate, tick_s=args.tick_ms / 1000, clocks=Clocks()
+            )
             with psycopg.connect(settings.dsn, autocommit=True) as conn:
 
                 def visible() -> bool:
@@ -253,10 +262,14 @@ def projector_phase(
             poller = HistoryPoller(settings.dsn, args.poll_ms / 1000)
             poller.start()
             clocks = Clocks()
-            achieved = paced_append(settings, p, ops, rate=args.rate, tick_s=args.tick_ms / 1000,
-                                    clocks=clocks)  # fmt: skip
-            wait_for(lambda: poller.projected.keys() >= clocks.appended.keys(), 60,
-                     "every appended event to be projected")  # fmt: skip
+            achieved = paced_append(
+                settings, p, ops, rate=args.rate, tick_s=args.tick_ms / 1000, clocks=clocks
+            )
+            wait_for(
+                lambda: poller.projected.keys() >= clocks.appended.keys(),
+                60,
+                "every appended event to be projected",
+            )
             poller.stop()
             poller.join()
         finally:
@@ -276,9 +289,12 @@ class RawReader(threading.Thread):
         self.arrived: dict[bytes, float] = {}
         self.ready = threading.Event()
         self._consumer = Consumer(
-            {"bootstrap.servers": settings.bootstrap_servers, "group.id": "bench-latency-raw",
-             "enable.auto.commit": False}
-        )  # fmt: skip
+            {
+                "bootstrap.servers": settings.bootstrap_servers,
+                "group.id": "bench-latency-raw",
+                "enable.auto.commit": False,
+            }
+        )
         meta = self._consumer.list_topics(timeout=10)
         self._consumer.assign(
             [
@@ -314,12 +330,14 @@ def baseline_phase(
         reader.ready.wait(30)
         time.sleep(0.5)  # let the OFFSET_END positions resolve before the first append
         p = producer(settings, linger_ms=1)
-        paced_append(settings, p, [warmup], rate=args.rate, tick_s=args.tick_ms / 1000,
-                         clocks=Clocks())  # fmt: skip
+        paced_append(
+            settings, p, [warmup], rate=args.rate, tick_s=args.tick_ms / 1000, clocks=Clocks()
+        )
         wait_for(lambda: all(e.value in reader.arrived for e in warmup), 30, "the raw consumer")
         clocks = Clocks()
-        achieved = paced_append(settings, p, ops, rate=args.rate, tick_s=args.tick_ms / 1000,
-                                    clocks=clocks)  # fmt: skip
+        achieved = paced_append(
+            settings, p, ops, rate=args.rate, tick_s=args.tick_ms / 1000, clocks=clocks
+        )
         appended = {e.value: clocks.appended[e.event_id] for op in ops for e in op}
         wait_for(lambda: reader.arrived.keys() >= appended.keys(), 30, "every raw record")
         reader.stop()
@@ -333,8 +351,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20, help="length of each phase")
     parser.add_argument("--tick-ms", type=float, default=10, help="producer flush period")
     parser.add_argument("--poll-ms", type=float, default=20, help="history poll period")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="OPLEDGER_PROJECTOR_BATCH of the projector")  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, default=None, help="OPLEDGER_PROJECTOR_BATCH of the projector"
+    )
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
 
@@ -343,8 +362,11 @@ def main() -> None:
     ops = operations(count, args.seed)
     warmup = operations(1, args.seed + 1)[0]
     n = sum(len(op) for op in ops)
-    print(f"{n:,} events in {len(ops):,} operations at {args.rate:,.0f}/s "
-          f"(tick {args.tick_ms:.0f} ms, poll {args.poll_ms:.0f} ms)", flush=True)  # fmt: skip
+    print(
+        f"{n:,} events in {len(ops):,} operations at {args.rate:,.0f}/s "
+        f"(tick {args.tick_ms:.0f} ms, poll {args.poll_ms:.0f} ms)",
+        flush=True,
+    )
 
     raw, raw_rate = baseline_phase(base, ops, warmup, args)
     clocks, poller, proj_rate = projector_phase(base, ops, warmup, args)
@@ -358,8 +380,10 @@ def main() -> None:
     p = show("projector: projected_at - append", latency)
     show("projector: projected_at - broker ack", from_ack)
     show("projector: seen by poller - append", seen)
-    print(f"ratio = projector p99 / raw p99 = {p['p99'] / r['p99']:.1f}  "
-          f"(target p99 <= 250 ms: {'met' if p['p99'] <= 250 else 'NOT met'})")  # fmt: skip
+    print(
+        f"ratio = projector p99 / raw p99 = {p['p99'] / r['p99']:.1f}  "
+        f"(target p99 <= 250 ms: {'met' if p['p99'] <= 250 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

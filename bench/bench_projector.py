@@ -96,9 +96,12 @@ def fold_in_memory(events: Sequence[Transition], coords: Sequence[tuple[str, int
             if isinstance(outcome, Applied):
                 deliveries[key] = outcome.record
         label = (
-            "applied" if isinstance(outcome, Applied)
-            else "duplicate" if isinstance(outcome, Duplicate) else "anomaly"
-        )  # fmt: skip
+            "applied"
+            if isinstance(outcome, Applied)
+            else "duplicate"
+            if isinstance(outcome, Duplicate)
+            else "anomaly"
+        )
         item = SourcedEvent(Coordinates(topic, partition, offset), event, 0)
         history.append(_history_row(item, label))
     return Rows(
@@ -156,10 +159,12 @@ def check_projection(dsn: str, rows: Rows) -> None:
         ).fetchone()
     version = _OP_COLUMNS.index("version")
     want = (
-        len(rows.history), len(rows.operations), len(rows.deliveries),
+        len(rows.history),
+        len(rows.operations),
+        len(rows.deliveries),
         sum(r[version] for r in rows.operations),
         sum(r[_DELIVERY_COLUMNS.index("version")] for r in rows.deliveries),
-    )  # fmt: skip
+    )
     if got != want:
         raise SystemExit(f"projection differs from the in-memory fold: {got} != {want}")
 
@@ -182,9 +187,12 @@ def _type_oids(conn: psycopg.Connection[Any], table: str, columns: Sequence[str]
 
 
 def _copy(
-    cur: psycopg.Cursor[Any], table: str, columns: Sequence[str],
-    rows: Sequence[tuple[Any, ...]], oids: list[int] | None,
-) -> None:  # fmt: skip
+    cur: psycopg.Cursor[Any],
+    table: str,
+    columns: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+    oids: list[int] | None,
+) -> None:
     fmt = " (FORMAT BINARY)" if oids else ""
     with cur.copy(f"COPY {table} ({_quoted(columns)}) FROM STDIN{fmt}") as copy:
         if oids:
@@ -194,9 +202,14 @@ def _copy(
 
 
 def _upsert(
-    cur: psycopg.Cursor[Any], table: str, keys: Sequence[str], columns: Sequence[str], *,
-    rows: Sequence[tuple[Any, ...]], oids: list[int] | None,
-) -> None:  # fmt: skip
+    cur: psycopg.Cursor[Any],
+    table: str,
+    keys: Sequence[str],
+    columns: Sequence[str],
+    *,
+    rows: Sequence[tuple[Any, ...]],
+    oids: list[int] | None,
+) -> None:
     stage = f"stage_{table}"
     cur.execute(f"CREATE TEMP TABLE {stage} (LIKE {table}) ON COMMIT DROP")
     _copy(cur, stage, columns, rows, oids)
@@ -216,9 +229,12 @@ def raw_write(dsn: str, rows: Rows, binary: bool) -> tuple[float, float]:
         conn.execute("TRUNCATE operation_history, agent_operations, deliveries")
         oids = {
             t: _type_oids(conn, t, c) if binary else None
-            for t, c in (("operation_history", _HISTORY_COLUMNS),
-                         ("agent_operations", _OP_COLUMNS), ("deliveries", _DELIVERY_COLUMNS))
-        }  # fmt: skip
+            for t, c in (
+                ("operation_history", _HISTORY_COLUMNS),
+                ("agent_operations", _OP_COLUMNS),
+                ("deliveries", _DELIVERY_COLUMNS),
+            )
+        }
         started = time.perf_counter()
         with conn.transaction(), conn.cursor() as cur:
             _copy(
@@ -227,10 +243,22 @@ def raw_write(dsn: str, rows: Rows, binary: bool) -> tuple[float, float]:
         history_s = time.perf_counter() - started
         started = time.perf_counter()
         with conn.transaction(), conn.cursor() as cur:
-            _upsert(cur, "agent_operations", ("operation_id",), _OP_COLUMNS,
-                    rows=rows.operations, oids=oids["agent_operations"])  # fmt: skip
-            _upsert(cur, "deliveries", ("operation_id", "destination"), _DELIVERY_COLUMNS,
-                    rows=rows.deliveries, oids=oids["deliveries"])  # fmt: skip
+            _upsert(
+                cur,
+                "agent_operations",
+                ("operation_id",),
+                _OP_COLUMNS,
+                rows=rows.operations,
+                oids=oids["agent_operations"],
+            )
+            _upsert(
+                cur,
+                "deliveries",
+                ("operation_id", "destination"),
+                _DELIVERY_COLUMNS,
+                rows=rows.deliveries,
+                oids=oids["deliveries"],
+            )
         upsert_s = time.perf_counter() - started
     return history_s, upsert_s
 
@@ -252,11 +280,18 @@ def print_profile(profiler: cProfile.Profile, top: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("-n", "--events", type=int, default=200_000, help="events to project")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="projector batch (default: settings.projector_batch)")  # fmt: skip
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="projector batch (default: settings.projector_batch)",
+    )
     parser.add_argument("--seed", type=int, default=7, help="workload seed")
-    parser.add_argument("--profile", action="store_true",
-                        help="also drain once more under cProfile and print the top")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also drain once more under cProfile and print the top",
+    )
     parser.add_argument("--top", type=int, default=15, help="profile lines to print")
     args = parser.parse_args()
 
@@ -280,15 +315,21 @@ def main() -> None:
         seconds, drained = drain(settings, batch, None)
         check_projection(settings.dsn, rows)
         projector_rate = drained / seconds
-        print(f"projector: {drained:,} events in {seconds:.2f}s = {projector_rate:,.0f} events/s "
-              f"(batch {batch})", flush=True)  # fmt: skip
+        print(
+            f"projector: {drained:,} events in {seconds:.2f}s = {projector_rate:,.0f} events/s "
+            f"(batch {batch})",
+            flush=True,
+        )
 
         results = {}
         for binary in (False, True):
             history_s, upsert_s = raw_write(raw_dsn, rows, binary)
             results["binary" if binary else "text"] = (history_s, upsert_s)
-            print(f"raw {'binary' if binary else 'text  '} COPY: history {history_s:.2f}s, "
-                  f"upserts {upsert_s:.2f}s", flush=True)  # fmt: skip
+            print(
+                f"raw {'binary' if binary else 'text  '} COPY: history {history_s:.2f}s, "
+                f"upserts {upsert_s:.2f}s",
+                flush=True,
+            )
         fmt, (history_s, upsert_s) = min(results.items(), key=lambda kv: sum(kv[1]))
         upserts = len(rows.operations) + len(rows.deliveries)
         raw_rate = n / (history_s + upsert_s)

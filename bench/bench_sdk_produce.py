@@ -47,22 +47,38 @@ def operation_events(index: int, start: datetime) -> list[Transition]:
 
     return [
         ExecutionTransitioned(
-            event_id=ev(), occurred_at=at, attempt=0, state=ExecutionState.INTENT_RECORDED,
+            event_id=ev(),
+            occurred_at=at,
+            attempt=0,
+            state=ExecutionState.INTENT_RECORDED,
             **execution,
         ),
         ExecutionTransitioned(
-            event_id=ev(), occurred_at=at, attempt=1, state=ExecutionState.DISPATCHED,
-            provider_ref=f"msg-{index}", **execution,
+            event_id=ev(),
+            occurred_at=at,
+            attempt=1,
+            state=ExecutionState.DISPATCHED,
+            provider_ref=f"msg-{index}",
+            **execution,
         ),
         ExecutionTransitioned(
-            event_id=ev(), occurred_at=at, attempt=1, state=ExecutionState.SUCCEEDED,
-            result_ref=ref, **execution,
+            event_id=ev(),
+            occurred_at=at,
+            attempt=1,
+            state=ExecutionState.SUCCEEDED,
+            result_ref=ref,
+            **execution,
         ),
         DeliveryTransitioned(
-            event_id=ev(), occurred_at=at, attempt=0, state=DeliveryState.PENDING,
-            destination="hook:billing", result_ref=ref, **common,
+            event_id=ev(),
+            occurred_at=at,
+            attempt=0,
+            state=DeliveryState.PENDING,
+            destination="hook:billing",
+            result_ref=ref,
+            **common,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def raw_rate(settings: Settings, events: Sequence[Transition], compression: str) -> float:

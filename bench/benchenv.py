@@ -122,8 +122,12 @@ def produce_all(settings: Settings, events: Iterable[Transition]) -> list[tuple[
         value = codec.encode(event)
         while True:
             try:
-                p.produce(topic, key=event.operation_id.encode(), value=value,
-                          on_delivery=delivered(index))  # fmt: skip
+                p.produce(
+                    topic,
+                    key=event.operation_id.encode(),
+                    value=value,
+                    on_delivery=delivered(index),
+                )
                 break
             except BufferError:
                 p.poll(0.05)

@@ -1,1 +1,2 @@
-"""The kernel every opledger component shares: the pure domain and the edges to Kafka and PostgreSQL."""
+"""The kernel every opledger component shares: the pure domain, and the edges to Kafka and
+PostgreSQL."""

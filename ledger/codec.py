@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import fastavro
 from fastavro.schema import to_parsing_canonical_form
@@ -240,13 +240,16 @@ def schema_dirs() -> list[Path]:
 
 def _load(path: Path) -> _Schema:
     raw = json.loads(path.read_text(encoding="utf-8"))
-    parsed = fastavro.parse_schema(raw)
+    parsed = cast(dict[str, Any], fastavro.parse_schema(raw))  # a record schema parses to a dict
     canonical = to_parsing_canonical_form(raw).encode("utf-8")
     fingerprint = crc64_avro(canonical).to_bytes(8, "little")
     return _Schema(
-        name=parsed["name"], parsed=parsed, fingerprint=fingerprint, source=path,
+        name=parsed["name"],
+        parsed=parsed,
+        fingerprint=fingerprint,
+        source=path,
         plain=_PlainRecord.of(raw),
-    )  # fmt: skip
+    )
 
 
 class Codec:
@@ -322,7 +325,9 @@ class Codec:
             try:
                 datum = fastavro.schemaless_reader(body, writer.parsed, reader.parsed)  # type: ignore[assignment]  # a record schema reads as a dict
             except Exception as exc:  # fastavro raises many types for corrupt bodies
-                raise DecodeError(f"corrupt Avro body for {writer.name}: {type(exc).__name__}: {exc}") from exc
+                raise DecodeError(
+                    f"corrupt Avro body for {writer.name}: {type(exc).__name__}: {exc}"
+                ) from exc
             end = body.tell()
         if end != len(data):
             raise DecodeError(f"{len(data) - end} trailing bytes after the {writer.name} body")
@@ -364,9 +369,7 @@ def default_codec() -> Codec:
         raise RuntimeError("schemas/ directory not found next to the ledger package")
     root = dirs[0]
     archive = root / "archive"
-    return Codec(
-        _avsc(root.iterdir()), _avsc(archive.iterdir()) if archive.is_dir() else []
-    )
+    return Codec(_avsc(root.iterdir()), _avsc(archive.iterdir()) if archive.is_dir() else [])
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -375,5 +378,6 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def utc_micros(value: datetime) -> int:
     """Microseconds since the epoch (what the Avro timestamp-micros fields carry)."""
     # Integer arithmetic: value.timestamp() * 1e6 goes through a float and comes out one
-    # microsecond short for some instants (2005-08-18T12:08:18.400133Z, 2040-06-05T01:15:58.685692Z).
+    # microsecond short for some instants
+    # (2005-08-18T12:08:18.400133Z, 2040-06-05T01:15:58.685692Z).
     return (value.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)

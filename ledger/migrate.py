@@ -42,7 +42,7 @@ def load(directory: Path) -> list[Migration]:
 
 
 def apply(conn: psycopg.Connection[object], component: str, directory: Path) -> list[int]:
-    """Apply the component's pending migrations, each in its own transaction; returns versions run."""
+    """Apply the component's pending migrations in one transaction; returns the versions run."""
     applied_now: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Self
 
-
 _TOPIC_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 

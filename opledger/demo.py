@@ -328,9 +328,12 @@ def _run_workload(
             )
             for call in share:
                 report = executor.execute(
-                    call.tenant_id, call.actor_id, call.tool_name, call.arguments,
+                    call.tenant_id,
+                    call.actor_id,
+                    call.tool_name,
+                    call.arguments,
                     list(destinations),
-                )  # fmt: skip
+                )
                 with lock:
                     reports.append(report)
                 progress.advance(task)

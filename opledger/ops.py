@@ -303,8 +303,15 @@ def _history_table(rows: list[HistoryRow]) -> Any:
     from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=f"history ({len(rows)} events)", title_justify="left")
-    for column in ("occurred at", "topic/partition/offset", "machine", "state", "attempt",
-                   "outcome", "error"):  # fmt: skip
+    for column in (
+        "occurred at",
+        "topic/partition/offset",
+        "machine",
+        "state",
+        "attempt",
+        "outcome",
+        "error",
+    ):
         table.add_column(column, no_wrap=column != "error")
     for h in rows:
         machine = h.machine if h.destination is None else f"delivery {h.destination}"

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ledger import faults
 from ledger.settings import Settings

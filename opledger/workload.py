@@ -74,7 +74,7 @@ class Workload:
                     tool_name=tool,
                     request_hash=rhash,
                     **extra,
-                )  # fmt: skip
+                )
             )
             if rng.random() < mix.duplicate_append:
                 out.append(
@@ -119,7 +119,7 @@ class Workload:
                     state=state,
                     result_ref=result,
                     **extra,
-                )  # fmt: skip
+                )
             )
             if rng.random() < mix.duplicate_append:
                 out.append(
@@ -130,8 +130,12 @@ class Workload:
         attempt = 1
         step(DeliveryState.SENT, attempt)
         while rng.random() < mix.delivery_retry and attempt < 4:
-            step(DeliveryState.PENDING, attempt, error="HTTP 503 from destination",
-                 next_attempt_at=self._now + timedelta(seconds=2**attempt))  # fmt: skip
+            step(
+                DeliveryState.PENDING,
+                attempt,
+                error="HTTP 503 from destination",
+                next_attempt_at=self._now + timedelta(seconds=2**attempt),
+            )
             attempt += 1
             step(DeliveryState.SENT, attempt)
         if rng.random() < mix.delivery_dead:

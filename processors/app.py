@@ -24,7 +24,10 @@ log = logging.getLogger("opledger.projector")
 
 
 def create_app(settings: Settings, projector: BatchProjector, registry: CollectorRegistry) -> Any:
-    """A faust App hosting ``projector``; run it with ``faust.Worker(app).execute_from_commandline()``."""
+    """A faust App hosting ``projector``.
+
+    Run it with ``faust.Worker(app).execute_from_commandline()``.
+    """
     app = faust.App(
         f"{settings.topic_prefix}-projector",
         broker=f"kafka://{settings.bootstrap_servers}",
@@ -40,8 +43,8 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
         broker_session_timeout=10.0,
     )
 
-    class ProjectorService(mode.Service):  # type: ignore[misc]  # mode ships no type information
-        @mode.Service.task  # type: ignore[untyped-decorator]  # mode ships no type information
+    class ProjectorService(mode.Service):
+        @mode.Service.task
         async def _project(self) -> None:
             loop = asyncio.get_running_loop()
             try:
@@ -56,11 +59,11 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
 
     app.service(ProjectorService)
 
-    @app.page("/metrics")  # type: ignore[untyped-decorator]  # faust ships no type information
+    @app.page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:
         return web.bytes(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
-    @app.page("/healthz")  # type: ignore[untyped-decorator]
+    @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
         return web.json({"batches": projector.batches})
 

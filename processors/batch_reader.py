@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from ledger.codec import Codec, DecodeError
 from ledger.faults import fault_point
@@ -61,9 +68,15 @@ def reader_config(settings: Settings) -> ReaderConfig:
 
 
 def classify(
-    codec: Codec, topic: str, partition: int, offset: int, key: bytes | None,
-    value: bytes | None, timestamp_ms: int,
-) -> SourcedEvent | DeadLetter:  # fmt: skip
+    codec: Codec,
+    *,
+    topic: str,
+    partition: int,
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    timestamp_ms: int,
+) -> SourcedEvent | DeadLetter:
     """Decode one raw record at the edge; anything unusable becomes a dead letter with a reason."""
     coords = Coordinates(topic, partition, offset)
     if value is None:
@@ -74,11 +87,15 @@ def classify(
         return DeadLetter(coords, str(exc), key, value, timestamp_ms)
     expected_machine = "execution" if ".execution." in topic else "delivery"
     if event.kind != expected_machine:
-        return DeadLetter(coords, f"{event.kind} event on the {expected_machine} topic", key, value, timestamp_ms)
+        return DeadLetter(
+            coords, f"{event.kind} event on the {expected_machine} topic", key, value, timestamp_ms
+        )
     # One operation's history must live on one partition; a record keyed otherwise could be
     # folded out of order by another partition's batch, so it is refused rather than guessed at.
     if key != event.operation_id.encode():
-        return DeadLetter(coords, "record key is not the event's operation_id", key, value, timestamp_ms)
+        return DeadLetter(
+            coords, "record key is not the event's operation_id", key, value, timestamp_ms
+        )
     return SourcedEvent(coords, event, timestamp_ms)
 
 
@@ -102,6 +119,8 @@ class BatchProjector:
         self._consumer: Consumer | None = None
         self._dlq: Producer | None = None
         self._stopping = False
+        self._positions: dict[tuple[str, int], int] = {}
+        self._lag_reported_at = 0.0
         self.batches = 0
 
     def stop(self) -> None:
@@ -122,9 +141,14 @@ class BatchProjector:
             }
         )
         self._dlq = Producer(
-            {**base, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
-             "partitioner": "murmur2_random"}
-        )  # fmt: skip
+            {
+                **base,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 5,
+                "partitioner": "murmur2_random",
+            }
+        )
         metadata = consumer.list_topics(timeout=10)
         assignment: list[TopicPartition] = []
         stored = self._sink.positions(self._config.consumer_name, self._config.topics)
@@ -135,11 +159,13 @@ class BatchProjector:
             for partition in sorted(meta.partitions):
                 offset = stored.get((topic, partition), OFFSET_BEGINNING)
                 assignment.append(TopicPartition(topic, partition, offset))
+                self._positions[(topic, partition)] = max(offset, 0)
         consumer.assign(assignment)
         log.info(
             "projector assigned %d partitions of %s, resuming from stored offsets",
-            len(assignment), ", ".join(self._config.topics),
-        )  # fmt: skip
+            len(assignment),
+            ", ".join(self._config.topics),
+        )
         return consumer
 
     def run(self, max_batches: int | None = None) -> None:
@@ -162,6 +188,7 @@ class BatchProjector:
     def run_once(self) -> ProjectionReport | None:
         assert self._consumer is not None, "run() opens the consumer"
         messages = self._consumer.consume(self._config.batch_size, self._config.poll_timeout_s)
+        self._report_lag()
         if not messages:
             return None
         started = time.perf_counter()
@@ -175,9 +202,22 @@ class BatchProjector:
                     continue
                 raise ProjectorError(f"consume failed: {error}")
             topic, partition, offset = message.topic(), message.partition(), message.offset()
+            if topic is None or partition is None or offset is None:
+                raise ProjectorError("consumed a record without coordinates")
             _, timestamp_ms = message.timestamp()
-            item = classify(self._codec, topic, partition, offset, message.key(), message.value(), timestamp_ms)
-            (events if isinstance(item, SourcedEvent) else dead).append(item)  # type: ignore[arg-type]  # the isinstance picks the matching list
+            item = classify(
+                self._codec,
+                topic=topic,
+                partition=partition,
+                offset=offset,
+                key=message.key(),
+                value=message.value(),
+                timestamp_ms=timestamp_ms,
+            )
+            if isinstance(item, SourcedEvent):
+                events.append(item)
+            else:
+                dead.append(item)
             next_offsets[(topic, partition)] = offset + 1
         if dead:
             self._publish_dead_letters(dead)
@@ -190,8 +230,28 @@ class BatchProjector:
             asynchronous=True,
         )
         self.batches += 1
+        self._positions.update(next_offsets)
         self._observe(report, batch, time.perf_counter() - started)
         return report
+
+    def _report_lag(self, every_s: float = 1.0) -> None:
+        """Set the lag gauge from librdkafka's cached high watermarks (no broker round trip).
+
+        A projector that is alive but not keeping up shows here, not in a heartbeat.
+        """
+        now = time.monotonic()
+        if self._consumer is None or now - self._lag_reported_at < every_s:
+            return
+        self._lag_reported_at = now
+        lag: dict[str, int] = dict.fromkeys(self._config.topics, 0)
+        for (topic, partition), position in self._positions.items():
+            low, high = self._consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), cached=True
+            )
+            if high >= 0:
+                lag[topic] += max(0, high - max(position, low))
+        for topic, records in lag.items():
+            self._metrics.projector_lag_records.labels(topic).set(records)
 
     def _publish_dead_letters(self, dead: list[DeadLetter]) -> None:
         """Send undecodable records to the dead-letter topic and wait for the broker's ack.

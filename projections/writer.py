@@ -35,19 +35,56 @@ from ledger.records import ProjectionBatch, ProjectionReport, SourcedEvent
 from projections.schema import apply_migrations
 
 _OP_COLUMNS = (
-    "operation_id", "tenant_id", "actor_id", "tool_name", "request_hash", "execution_state",
-    "attempt", "provider_ref", "result_ref", "error", "created_at", "updated_at",
-    "state_entered_at", "version", "seen",
-)  # fmt: skip
+    "operation_id",
+    "tenant_id",
+    "actor_id",
+    "tool_name",
+    "request_hash",
+    "execution_state",
+    "attempt",
+    "provider_ref",
+    "result_ref",
+    "error",
+    "created_at",
+    "updated_at",
+    "state_entered_at",
+    "version",
+    "seen",
+)
 _DELIVERY_COLUMNS = (
-    "operation_id", "destination", "tenant_id", "actor_id", "state", "attempts", "result_ref",
-    "next_attempt_at", "error", "created_at", "updated_at", "state_entered_at", "version", "seen",
-)  # fmt: skip
+    "operation_id",
+    "destination",
+    "tenant_id",
+    "actor_id",
+    "state",
+    "attempts",
+    "result_ref",
+    "next_attempt_at",
+    "error",
+    "created_at",
+    "updated_at",
+    "state_entered_at",
+    "version",
+    "seen",
+)
 _HISTORY_COLUMNS = (
-    "topic", "partition", "offset", "event_id", "operation_id", "tenant_id", "actor_id",
-    "machine", "destination", "state", "attempt", "outcome", "provider_ref", "result_ref",
-    "error", "occurred_at",
-)  # fmt: skip
+    "topic",
+    "partition",
+    "offset",
+    "event_id",
+    "operation_id",
+    "tenant_id",
+    "actor_id",
+    "machine",
+    "destination",
+    "state",
+    "attempt",
+    "outcome",
+    "provider_ref",
+    "result_ref",
+    "error",
+    "occurred_at",
+)
 
 
 class ProjectionConflictError(RuntimeError):
@@ -81,18 +118,41 @@ def _parse_seen_delivery(values: Sequence[str]) -> frozenset[tuple[DeliveryState
 
 def _op_row(r: ExecutionRecord) -> tuple[Any, ...]:
     return (
-        r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, r.state._value_,
-        r.attempt, r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
-        r.state_entered_at, r.version, _seen_text(r.seen),
-    )  # fmt: skip
+        r.operation_id,
+        r.tenant_id,
+        r.actor_id,
+        r.tool_name,
+        r.request_hash,
+        r.state._value_,
+        r.attempt,
+        r.provider_ref,
+        r.result_ref,
+        r.error,
+        r.created_at,
+        r.updated_at,
+        r.state_entered_at,
+        r.version,
+        _seen_text(r.seen),
+    )
 
 
 def _delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
     return (
-        r.operation_id, r.destination, r.tenant_id, r.actor_id, r.state._value_, r.attempts,
-        r.result_ref, r.next_attempt_at, r.error, r.created_at, r.updated_at,
-        r.state_entered_at, r.version, _seen_text(r.seen),
-    )  # fmt: skip
+        r.operation_id,
+        r.destination,
+        r.tenant_id,
+        r.actor_id,
+        r.state._value_,
+        r.attempts,
+        r.result_ref,
+        r.next_attempt_at,
+        r.error,
+        r.created_at,
+        r.updated_at,
+        r.state_entered_at,
+        r.version,
+        _seen_text(r.seen),
+    )
 
 
 def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
@@ -102,10 +162,23 @@ def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
     else:
         machine, destination, provider_ref = "delivery", e.destination, None
     return (
-        c.topic, c.partition, c.offset, e.event_id, e.operation_id, e.tenant_id, e.actor_id,
-        machine, destination, e.state._value_, e.attempt, outcome, provider_ref, e.result_ref,
-        e.error, e.occurred_at,
-    )  # fmt: skip
+        c.topic,
+        c.partition,
+        c.offset,
+        e.event_id,
+        e.operation_id,
+        e.tenant_id,
+        e.actor_id,
+        machine,
+        destination,
+        e.state._value_,
+        e.attempt,
+        outcome,
+        provider_ref,
+        e.result_ref,
+        e.error,
+        e.occurred_at,
+    )
 
 
 class PostgresProjection:
@@ -159,37 +232,67 @@ class PostgresProjection:
         with self._conn.transaction(), self._conn.cursor() as cur:
             stored = self._lock_offsets(cur, consumer, batch)
             fresh = [
-                e for e in batch.events
+                e
+                for e in batch.events
                 if e.coordinates.offset >= stored[(e.coordinates.topic, e.coordinates.partition)]
-            ]  # fmt: skip
+            ]
             dead = [
-                d for d in batch.dead_letters
+                d
+                for d in batch.dead_letters
                 if d.coordinates.offset >= stored[(d.coordinates.topic, d.coordinates.partition)]
-            ]  # fmt: skip
+            ]
             report.skipped_redelivered = (
                 len(batch.events) + len(batch.dead_letters) - len(fresh) - len(dead)
             )
             history, anomalies, ops, deliveries = self._fold(cur, fresh, report)
             self._copy(cur, "operation_history", _HISTORY_COLUMNS, history)
             self._copy(
-                cur, "anomalies",
-                ("topic", "partition", "offset", "operation_id", "tenant_id", "machine",
-                 "reason", "event"),
+                cur,
+                "anomalies",
+                (
+                    "topic",
+                    "partition",
+                    "offset",
+                    "operation_id",
+                    "tenant_id",
+                    "machine",
+                    "reason",
+                    "event",
+                ),
                 anomalies,
-            )  # fmt: skip
+            )
             self._copy(
-                cur, "dead_letters", ("topic", "partition", "offset", "reason", "size_bytes"),
+                cur,
+                "dead_letters",
+                ("topic", "partition", "offset", "reason", "size_bytes"),
                 [
-                    (d.coordinates.topic, d.coordinates.partition, d.coordinates.offset,
-                     d.reason, len(d.value or b""))
+                    (
+                        d.coordinates.topic,
+                        d.coordinates.partition,
+                        d.coordinates.offset,
+                        d.reason,
+                        len(d.value or b""),
+                    )
                     for d in dead
                 ],
-            )  # fmt: skip
+            )
             report.dead_letters = len(dead)
-            self._write_current(cur, "agent_operations", "stage_operations", _OP_COLUMNS,
-                                "execution_state", ops)  # fmt: skip
-            self._write_current(cur, "deliveries", "stage_deliveries", _DELIVERY_COLUMNS,
-                                "state", deliveries)  # fmt: skip
+            self._write_current(
+                cur,
+                table="agent_operations",
+                stage="stage_operations",
+                columns=_OP_COLUMNS,
+                state_column="execution_state",
+                changed=ops,
+            )
+            self._write_current(
+                cur,
+                table="deliveries",
+                stage="stage_deliveries",
+                columns=_DELIVERY_COLUMNS,
+                state_column="state",
+                changed=deliveries,
+            )
             cur.execute(
                 "UPDATE projector_offsets o SET next_offset = x.n, updated_at = now() "
                 "FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS x(t, p, n) "
@@ -233,7 +336,9 @@ class PostgresProjection:
         dict[str, tuple[ExecutionRecord, int, str | None]],
         dict[tuple[str, str], tuple[DeliveryRecord, int, str | None]],
     ]:
-        exec_ids = {e.event.operation_id for e in fresh if isinstance(e.event, ExecutionTransitioned)}
+        exec_ids = {
+            e.event.operation_id for e in fresh if isinstance(e.event, ExecutionTransitioned)
+        }
         delivery_ids = {
             e.event.operation_id for e in fresh if isinstance(e.event, DeliveryTransitioned)
         }
@@ -269,9 +374,17 @@ class PostgresProjection:
                 history.append(_history_row(item, "anomaly"))
                 c = item.coordinates
                 anomalies.append(
-                    (c.topic, c.partition, c.offset, event.operation_id, event.tenant_id, machine,
-                     outcome.reason, Jsonb(event.model_dump(mode="json")))
-                )  # fmt: skip
+                    (
+                        c.topic,
+                        c.partition,
+                        c.offset,
+                        event.operation_id,
+                        event.tenant_id,
+                        machine,
+                        outcome.reason,
+                        Jsonb(event.model_dump(mode="json")),
+                    )
+                )
         changed_ops = {
             k: (r, *op_start.get(k, (0, None)))
             for k, r in ops.items()
@@ -282,7 +395,7 @@ class PostgresProjection:
             for k, r in deliveries.items()
             if r.version != delivery_start.get(k, (0, None))[0]
         }
-        return history, anomalies, changed_ops, changed_deliveries  # type: ignore[return-value]  # tuple unpacking in the comprehension widens the type
+        return history, anomalies, changed_ops, changed_deliveries
 
     def _load_operations(
         self, cur: psycopg.Cursor[Any], ids: set[str]
@@ -295,15 +408,40 @@ class PostgresProjection:
         )
         out: dict[str, ExecutionRecord] = {}
         for row in cur.fetchall():
-            (op, tenant, actor, tool, rhash, state, attempt, pref, rref, err, created, updated,
-             entered, version, seen) = row  # fmt: skip
+            (
+                op,
+                tenant,
+                actor,
+                tool,
+                rhash,
+                state,
+                attempt,
+                pref,
+                rref,
+                err,
+                created,
+                updated,
+                entered,
+                version,
+                seen,
+            ) = row
             out[op] = ExecutionRecord(
-                operation_id=op, tenant_id=tenant, actor_id=actor, tool_name=tool,
-                request_hash=rhash, state=ExecutionState(state), attempt=attempt,
-                provider_ref=pref, result_ref=rref, error=err, created_at=created,
-                updated_at=updated, state_entered_at=entered, version=version,
+                operation_id=op,
+                tenant_id=tenant,
+                actor_id=actor,
+                tool_name=tool,
+                request_hash=rhash,
+                state=ExecutionState(state),
+                attempt=attempt,
+                provider_ref=pref,
+                result_ref=rref,
+                error=err,
+                created_at=created,
+                updated_at=updated,
+                state_entered_at=entered,
+                version=version,
                 seen=_parse_seen_execution(seen),
-            )  # fmt: skip
+            )
         return out
 
     def _load_deliveries(
@@ -317,14 +455,38 @@ class PostgresProjection:
         )
         out: dict[tuple[str, str], DeliveryRecord] = {}
         for row in cur.fetchall():
-            (op, dest, tenant, actor, state, attempts, rref, nxt, err, created, updated, entered,
-             version, seen) = row  # fmt: skip
+            (
+                op,
+                dest,
+                tenant,
+                actor,
+                state,
+                attempts,
+                rref,
+                nxt,
+                err,
+                created,
+                updated,
+                entered,
+                version,
+                seen,
+            ) = row
             out[(op, dest)] = DeliveryRecord(
-                operation_id=op, destination=dest, tenant_id=tenant, actor_id=actor,
-                state=DeliveryState(state), attempts=attempts, result_ref=rref,
-                next_attempt_at=nxt, error=err, created_at=created, updated_at=updated,
-                state_entered_at=entered, version=version, seen=_parse_seen_delivery(seen),
-            )  # fmt: skip
+                operation_id=op,
+                destination=dest,
+                tenant_id=tenant,
+                actor_id=actor,
+                state=DeliveryState(state),
+                attempts=attempts,
+                result_ref=rref,
+                next_attempt_at=nxt,
+                error=err,
+                created_at=created,
+                updated_at=updated,
+                state_entered_at=entered,
+                version=version,
+                seen=_parse_seen_delivery(seen),
+            )
         return out
 
     def _copy(
@@ -364,6 +526,7 @@ class PostgresProjection:
     def _write_current(
         self,
         cur: psycopg.Cursor[Any],
+        *,
         table: str,
         stage: str,
         columns: Sequence[str],

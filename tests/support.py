@@ -14,7 +14,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import DecodeError, default_codec
-from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
+from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.fold import (
     Applied,
     DeliveryRecord,
@@ -41,7 +41,9 @@ def producer(settings: Settings) -> Producer:
     )
 
 
-def produce(settings: Settings, events: Iterable[Transition], flush: bool = True, p: Producer | None = None) -> int:
+def produce(
+    settings: Settings, events: Iterable[Transition], flush: bool = True, p: Producer | None = None
+) -> int:
     """Append events keyed by operation_id, as the SDK does; returns how many."""
     p = p or producer(settings)
     codec = default_codec()
@@ -75,7 +77,9 @@ def end_offsets(settings: Settings, topics: Sequence[str]) -> dict[tuple[str, in
         meta = consumer.list_topics(timeout=10)
         for topic in topics:
             for partition in meta.topics[topic].partitions:
-                _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+                _, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=10
+                )
                 out[(topic, partition)] = high
         return out
     finally:
@@ -114,7 +118,7 @@ def project_in_process(settings: Settings, timeout: float = 120.0) -> BatchProje
     """Run the batch projector in this process until it has projected everything on the topics."""
     sink = PostgresProjection.connect(settings.dsn)
     projector = BatchProjector(settings, sink, default_codec(), Metrics.create(CollectorRegistry()))
-    projector._consumer = projector._open()  # noqa: SLF001  # drive the loop step by step
+    projector._consumer = projector._open()  # drive the loop step by step
     deadline = time.monotonic() + timeout
     try:
         while not caught_up(settings):
@@ -139,10 +143,14 @@ class Expected:
 
 
 def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | None, bytes | None]]:
-    """Every record of ``topic`` as (partition, offset, key, value), in offset order per partition."""
+    """Every record of ``topic`` as (partition, offset, key, value), in partition-offset order."""
     ends = end_offsets(settings, [topic])
     consumer = Consumer(
-        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "verifier", "enable.auto.commit": False}
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "group.id": "verifier",
+            "enable.auto.commit": False,
+        }
     )
     consumer.assign([TopicPartition(topic, p, 0) for (_, p) in ends])
     remaining = sum(ends.values())
@@ -183,9 +191,12 @@ def independent_fold(settings: Settings) -> Expected:
                 if isinstance(outcome, Applied):
                     expected.deliveries[k] = outcome.record
             expected.outcomes[(topic, partition, offset)] = (
-                "applied" if isinstance(outcome, Applied)
-                else "duplicate" if isinstance(outcome, Duplicate) else "anomaly"
-            )  # fmt: skip
+                "applied"
+                if isinstance(outcome, Applied)
+                else "duplicate"
+                if isinstance(outcome, Duplicate)
+                else "anomaly"
+            )
     return expected
 
 
@@ -194,15 +205,42 @@ def _seen(pairs: Iterable[tuple[Any, int]]) -> list[str]:
 
 
 def expected_operation_row(r: ExecutionRecord) -> tuple[Any, ...]:
-    return (r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.request_hash, str(r.state),
-            r.attempt, r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
-            r.state_entered_at, r.version, _seen(r.seen))  # fmt: skip
+    return (
+        r.operation_id,
+        r.tenant_id,
+        r.actor_id,
+        r.tool_name,
+        r.request_hash,
+        str(r.state),
+        r.attempt,
+        r.provider_ref,
+        r.result_ref,
+        r.error,
+        r.created_at,
+        r.updated_at,
+        r.state_entered_at,
+        r.version,
+        _seen(r.seen),
+    )
 
 
 def expected_delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
-    return (r.operation_id, r.destination, r.tenant_id, r.actor_id, str(r.state), r.attempts,
-            r.result_ref, r.next_attempt_at, r.error, r.created_at, r.updated_at,
-            r.state_entered_at, r.version, _seen(r.seen))  # fmt: skip
+    return (
+        r.operation_id,
+        r.destination,
+        r.tenant_id,
+        r.actor_id,
+        str(r.state),
+        r.attempts,
+        r.result_ref,
+        r.next_attempt_at,
+        r.error,
+        r.created_at,
+        r.updated_at,
+        r.state_entered_at,
+        r.version,
+        _seen(r.seen),
+    )
 
 
 def assert_projection_matches(settings: Settings, expected: Expected) -> dict[str, int]:
@@ -237,7 +275,9 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
     assert len(history) == len(actual_outcomes)
     assert actual_outcomes == expected.outcomes, "history outcomes differ"
     assert {tuple(r) for r in dead} == expected.dead
-    assert {tuple(r) for r in anomalies} == {k for k, v in expected.outcomes.items() if v == "anomaly"}
+    assert {tuple(r) for r in anomalies} == {
+        k for k, v in expected.outcomes.items() if v == "anomaly"
+    }
     return {
         "operations": len(actual_ops),
         "deliveries": len(actual_del),

@@ -9,7 +9,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from ledger.domain.ids import EVENT_ID_RE, OPERATION_ID_RE, SHA256_REF_RE
 from ledger.domain.redact import looks_secret
@@ -30,7 +37,8 @@ OperationId = Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
 EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_RE.pattern)]
 ContentRef = Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
 ProviderRef = Annotated[
-    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$")
+    str,
+    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$"),
 ]
 
 
@@ -40,7 +48,9 @@ def _no_secret(value: str | None) -> str | None:
     return value
 
 
-ErrorText = Annotated[str, StringConstraints(max_length=MAX_ERROR_LENGTH), AfterValidator(_no_secret)]
+ErrorText = Annotated[
+    str, StringConstraints(max_length=MAX_ERROR_LENGTH), AfterValidator(_no_secret)
+]
 
 
 def _aware(value: datetime) -> datetime:

@@ -50,7 +50,7 @@ class ExecutionRecord:
 
 @dataclass(frozen=True, slots=True)
 class DeliveryRecord:
-    """Current delivery state of one operation's result to one destination (a ``deliveries`` row)."""
+    """Current delivery state of one operation's result to one destination (``deliveries``)."""
 
     operation_id: str
     destination: str
@@ -96,7 +96,9 @@ def apply_execution(
     """Fold one execution event into the operation's current record."""
     if current is None:
         if event.state not in EXECUTION_INITIAL:
-            return Rejected(f"first event of {event.operation_id} must be INTENT_RECORDED, got {event.state}")
+            return Rejected(
+                f"first event of {event.operation_id} must be INTENT_RECORDED, got {event.state}"
+            )
         return Applied(
             ExecutionRecord(
                 operation_id=event.operation_id,
@@ -128,10 +130,13 @@ def apply_execution(
         return Duplicate(f"{event.state} attempt {event.attempt} already recorded")
     if event.state not in EXECUTION_TRANSITIONS[current.state]:
         return Rejected(f"illegal execution transition {current.state} -> {event.state}")
-    expected_attempt = current.attempt + 1 if event.state is ExecutionState.DISPATCHED else current.attempt
+    expected_attempt = (
+        current.attempt + 1 if event.state is ExecutionState.DISPATCHED else current.attempt
+    )
     if event.attempt != expected_attempt:
         return Rejected(
-            f"{current.state} -> {event.state} needs attempt {expected_attempt}, got {event.attempt}"
+            f"{current.state} -> {event.state} needs attempt {expected_attempt}, "
+            f"got {event.attempt}"
         )
     # Built field by field rather than with dataclasses.replace: the fold runs once per event
     # in the projector and the SDK, and replace() costs several times a direct construction.
@@ -149,7 +154,9 @@ def apply_execution(
             result_ref=event.result_ref or current.result_ref,
             error=event.error,
             created_at=current.created_at,
-            updated_at=occurred_at if occurred_at > current.updated_at else current.updated_at,  # max()
+            updated_at=occurred_at
+            if occurred_at > current.updated_at
+            else current.updated_at,  # max()
             state_entered_at=occurred_at,
             version=current.version + 1,
             seen=current.seen | {(event.state, event.attempt)},
@@ -188,13 +195,20 @@ def apply_delivery(current: DeliveryRecord | None, event: DeliveryTransitioned) 
     if event.tenant_id != current.tenant_id:
         return Rejected(f"tenant changed from {current.tenant_id} to {event.tenant_id}")
     if (event.state, event.attempt) in current.seen:
-        return Duplicate(f"{event.destination} {event.state} attempt {event.attempt} already recorded")
+        return Duplicate(
+            f"{event.destination} {event.state} attempt {event.attempt} already recorded"
+        )
     if event.state not in DELIVERY_TRANSITIONS[current.state]:
-        return Rejected(f"illegal delivery transition {current.state} -> {event.state} ({event.destination})")
-    expected_attempt = current.attempts + 1 if event.state is DeliveryState.SENT else current.attempts
+        return Rejected(
+            f"illegal delivery transition {current.state} -> {event.state} ({event.destination})"
+        )
+    expected_attempt = (
+        current.attempts + 1 if event.state is DeliveryState.SENT else current.attempts
+    )
     if event.attempt != expected_attempt:
         return Rejected(
-            f"{current.state} -> {event.state} needs attempt {expected_attempt}, got {event.attempt}"
+            f"{current.state} -> {event.state} needs attempt {expected_attempt}, "
+            f"got {event.attempt}"
         )
     occurred_at = event.occurred_at
     return Applied(
@@ -209,7 +223,9 @@ def apply_delivery(current: DeliveryRecord | None, event: DeliveryTransitioned) 
             next_attempt_at=event.next_attempt_at if event.state is DeliveryState.PENDING else None,
             error=event.error,
             created_at=current.created_at,
-            updated_at=occurred_at if occurred_at > current.updated_at else current.updated_at,  # max()
+            updated_at=occurred_at
+            if occurred_at > current.updated_at
+            else current.updated_at,  # max()
             state_entered_at=occurred_at,
             version=current.version + 1,
             seen=current.seen | {(event.state, event.attempt)},

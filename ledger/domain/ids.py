@@ -21,7 +21,7 @@ class IdError(ValueError):
 
 
 def ulid(now_ms: int, entropy: bytes) -> str:
-    """A ULID: 48-bit millisecond time then 80 random bits, Crockford base32, so ids sort by time."""
+    """A ULID: 48-bit millisecond time, then 80 random bits, in Crockford base32; sorts by time."""
     if not 0 <= now_ms < 2**48:
         raise IdError(f"timestamp out of ULID range: {now_ms}")
     if len(entropy) != 10:
@@ -35,7 +35,7 @@ def ulid(now_ms: int, entropy: bytes) -> str:
 
 
 def operation_id(now_ms: int, entropy: bytes) -> str:
-    """``op_`` + ULID. This format is the idempotency key providers and consumers see; never change it."""
+    """``op_`` + ULID: the key providers and consumers dedupe on. Never change this format."""
     return f"op_{ulid(now_ms, entropy)}"
 
 
@@ -45,7 +45,7 @@ def event_id(now_ms: int, entropy: bytes) -> str:
 
 
 def canonical_json(value: Any) -> bytes:
-    """Deterministic JSON: sorted keys, no whitespace, UTF-8. Floats that are whole stay as written."""
+    """Deterministic JSON: sorted keys, no whitespace, UTF-8, no NaN or infinity."""
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     ).encode("utf-8")

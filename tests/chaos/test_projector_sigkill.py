@@ -47,13 +47,17 @@ def _projected(settings: Settings) -> int:
     return sum(stored_offsets(settings).values())
 
 
-def _wait_progress(settings: Settings, beyond: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> int:
+def _wait_progress(
+    settings: Settings, beyond: int, proc: subprocess.Popen[bytes], timeout: float = 60
+) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         now = _projected(settings)
         if now > beyond:
             return now
-        assert proc.poll() is None or proc.returncode == -signal.SIGKILL, "projector exited on its own"
+        assert proc.poll() is None or proc.returncode == -signal.SIGKILL, (
+            "projector exited on its own"
+        )
         time.sleep(0.1)
     raise AssertionError(f"projector made no progress beyond {beyond} (exit {proc.poll()})")
 
@@ -85,7 +89,9 @@ def test_projector_survives_repeated_sigkill(isolated: Settings, tmp_path: Path)
         progress = _wait_progress(settings, progress, proc)
         if round_ < 4:
             time.sleep(rng.uniform(0.2, 1.5))
-            ends = sum(end_offsets(settings, [settings.execution_topic, settings.delivery_topic]).values())
+            ends = sum(
+                end_offsets(settings, [settings.execution_topic, settings.delivery_topic]).values()
+            )
             if _projected(settings) < ends:
                 kills_mid_stream += 1
             os.killpg(proc.pid, signal.SIGKILL)
@@ -95,7 +101,9 @@ def test_projector_survives_repeated_sigkill(isolated: Settings, tmp_path: Path)
         else:
             # The armed process kills itself at the boundary; wait for it, then restart.
             proc.wait(60)
-            assert proc.returncode == -signal.SIGKILL, f"fault point did not fire: {proc.returncode}"
+            assert proc.returncode == -signal.SIGKILL, (
+                f"fault point did not fire: {proc.returncode}"
+            )
             self_kills += 1
             progress = _projected(settings)
             proc = _start(settings, log, "projector.before_commit:kill@2" if round_ == 4 else "")

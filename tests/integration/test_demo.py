@@ -21,15 +21,23 @@ def test_demo_runs_and_its_summary_matches_the_projections(isolated: Settings) -
     port = free_port()
     settings = isolated.with_(projector_web_port=port)
     result = subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "demo", "--operations", str(OPERATIONS),
-         "--workers", "2"],
+        [
+            sys.executable,
+            "-m",
+            "opledger.cli",
+            "demo",
+            "--operations",
+            str(OPERATIONS),
+            "--workers",
+            "2",
+        ],
         env=env_for(settings, PYTHONPATH=str(ROOT)),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
-    )  # fmt: skip
+    )
     out = result.stdout
     assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr}"
     assert "max side effects per operation: 1" in out

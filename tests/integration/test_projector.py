@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
+from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.ids import event_id, operation_id
 from ledger.domain.states import ExecutionState
+from ledger.metrics import Metrics
 from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
 from opledger.workload import Workload
+from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
 from tests.support import (
     assert_projection_matches,
@@ -40,11 +43,19 @@ def test_projections_equal_the_independent_fold(isolated: Settings) -> None:
 def test_redelivered_batch_changes_nothing(isolated: Settings) -> None:
     events = _events(300, seed=3)
     items = [
-        SourcedEvent(Coordinates(isolated.execution_topic if e.kind == "execution"
-                                 else isolated.delivery_topic, 0, i), e, 0)
+        SourcedEvent(
+            Coordinates(
+                isolated.execution_topic if e.kind == "execution" else isolated.delivery_topic, 0, i
+            ),
+            e,
+            0,
+        )
         for i, e in enumerate(events)
-    ]  # fmt: skip
-    next_offsets = {(isolated.execution_topic, 0): len(events), (isolated.delivery_topic, 0): len(events)}
+    ]
+    next_offsets = {
+        (isolated.execution_topic, 0): len(events),
+        (isolated.delivery_topic, 0): len(events),
+    }
     batch = ProjectionBatch(items, [], next_offsets)
     sink = PostgresProjection.connect(isolated.dsn)
     try:
@@ -77,10 +88,16 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
     produce_raw(isolated, isolated.delivery_topic, b"op_y", b"\xc3\x01" + b"\x00" * 8 + b"body")
     first = next(e for e in good if isinstance(e, ExecutionTransitioned))
     fresh_op = operation_id(2, b"\x02" * 10)
-    intent = first.model_copy(update={"event_id": event_id(2, b"\x03" * 10), "operation_id": fresh_op})
+    intent = first.model_copy(
+        update={"event_id": event_id(2, b"\x03" * 10), "operation_id": fresh_op}
+    )
     illegal = intent.model_copy(
-        update={"event_id": event_id(2, b"\x04" * 10), "state": ExecutionState.SUCCEEDED,
-                "attempt": 1, "result_ref": "sha256:" + "0" * 64}  # fmt: skip
+        update={
+            "event_id": event_id(2, b"\x04" * 10),
+            "state": ExecutionState.SUCCEEDED,
+            "attempt": 1,
+            "result_ref": "sha256:" + "0" * 64,
+        }
     )
     # SUCCEEDED straight after INTENT_RECORDED skips the dispatch: illegal, stored as an anomaly.
     produce(isolated, [intent, illegal])
@@ -94,7 +111,9 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
     assert reasons == ["illegal execution transition INTENT_RECORDED -> SUCCEEDED"]
     # The dead letters are on the dead-letter topic with the reason and source coordinates.
     consumer = Consumer({"bootstrap.servers": isolated.bootstrap_servers, "group.id": "dlq-check"})
-    consumer.assign([TopicPartition(isolated.dead_letter_topic, p, 0) for p in range(isolated.partitions)])
+    consumer.assign(
+        [TopicPartition(isolated.dead_letter_topic, p, 0) for p in range(isolated.partitions)]
+    )
     found = []
     for _ in range(20):
         found += [m for m in consumer.consume(100, 0.5) if not m.error()]
@@ -105,6 +124,40 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
     for m in found:
         headers = dict(m.headers())
         assert headers["opledger-dlq-reason"]
-        assert headers["opledger-source-topic"].decode() in (isolated.execution_topic, isolated.delivery_topic)
+        assert headers["opledger-source-topic"].decode() in (
+            isolated.execution_topic,
+            isolated.delivery_topic,
+        )
         assert int(headers["opledger-source-offset"].decode()) >= 0
     assert default_codec()  # the codec still loads after all that
+
+
+def test_lag_gauge_tracks_unprojected_records(isolated: Settings) -> None:
+    settings = isolated.with_(projector_batch=50)
+    events = _events(100, seed=9)
+    produce(settings, events)
+    registry = CollectorRegistry()
+    sink = PostgresProjection.connect(settings.dsn)
+    projector = BatchProjector(settings, sink, default_codec(), Metrics.create(registry))
+    projector._consumer = projector._open()  # drive the loop step by step
+
+    def lag() -> float:
+        projector._report_lag(every_s=0)
+        total = 0.0
+        for topic in (settings.execution_topic, settings.delivery_topic):
+            value = registry.get_sample_value("opledger_projector_lag_records", {"topic": topic})
+            total += value or 0.0
+        return total
+
+    try:
+        while projector.run_once() is None:  # the first fetch fills the watermark cache
+            pass
+        assert 0 < lag() < len(events)
+        for _ in range(200):
+            projector.run_once()
+            if lag() == 0:
+                break
+        assert lag() == 0
+    finally:
+        projector.close()
+        sink.close()

@@ -61,15 +61,37 @@ def _tenant_ops(expected: Expected, tenant: str) -> list[ExecutionRecord]:
 
 
 def _as_tuple(row: queries.OperationRow) -> tuple[object, ...]:
-    return (row.operation_id, row.tenant_id, row.actor_id, row.tool_name, row.execution_state,
-            row.attempt, row.provider_ref, row.result_ref, row.error, row.created_at,
-            row.updated_at, row.state_entered_at)  # fmt: skip
+    return (
+        row.operation_id,
+        row.tenant_id,
+        row.actor_id,
+        row.tool_name,
+        row.execution_state,
+        row.attempt,
+        row.provider_ref,
+        row.result_ref,
+        row.error,
+        row.created_at,
+        row.updated_at,
+        row.state_entered_at,
+    )
 
 
 def _record_tuple(r: ExecutionRecord) -> tuple[object, ...]:
-    return (r.operation_id, r.tenant_id, r.actor_id, r.tool_name, r.state, r.attempt,
-            r.provider_ref, r.result_ref, r.error, r.created_at, r.updated_at,
-            r.state_entered_at)  # fmt: skip
+    return (
+        r.operation_id,
+        r.tenant_id,
+        r.actor_id,
+        r.tool_name,
+        r.state,
+        r.attempt,
+        r.provider_ref,
+        r.result_ref,
+        r.error,
+        r.created_at,
+        r.updated_at,
+        r.state_entered_at,
+    )
 
 
 def test_list_operations_equals_the_fold_for_the_tenant(
@@ -126,10 +148,9 @@ def test_show_operation_has_rows_history_and_anomalies(
         (d for (op, _), d in expected.deliveries.items() if op == delivered.operation_id),
         key=lambda d: d.destination,
     )
-    assert [(d.destination, d.state, d.attempts, d.next_attempt_at, d.error)
-            for d in detail.deliveries] == [
-        (d.destination, d.state, d.attempts, d.next_attempt_at, d.error) for d in want_deliveries
-    ]  # fmt: skip
+    assert [
+        (d.destination, d.state, d.attempts, d.next_attempt_at, d.error) for d in detail.deliveries
+    ] == [(d.destination, d.state, d.attempts, d.next_attempt_at, d.error) for d in want_deliveries]
     # The history is every event of the operation (repeated appends included), in the order
     # they happened, each with where it sits in Kafka.
     mine = [e for e in events if e.operation_id == delivered.operation_id]

@@ -30,7 +30,9 @@ def _reference_encode(event: Transition) -> tuple[bytes, str]:
     name = EXECUTION_RECORD if isinstance(event, ExecutionTransitioned) else DELIVERY_RECORD
     buffer = io.BytesIO()
     buffer.write(data_header(name))
-    fastavro.schemaless_writer(buffer, CODEC.writer_schema(name), event.model_dump(exclude={"kind"}))
+    fastavro.schemaless_writer(
+        buffer, CODEC.writer_schema(name), event.model_dump(exclude={"kind"})
+    )
     return buffer.getvalue(), name
 
 

@@ -143,10 +143,16 @@ def test_success_records_result_ref_and_delivers_to_every_destination() -> None:
     assert report.state is ExecutionState.SUCCEEDED
     assert provider.calls == report.provider_calls == 1
     assert _states(events) == [
-        "INTENT_RECORDED", "DISPATCHED", "SUCCEEDED",
-        "webhook:crm:PENDING", "webhook:crm:SENT", "webhook:crm:ACKED",
-        "queue:billing:PENDING", "queue:billing:SENT", "queue:billing:ACKED",
-    ]  # fmt: skip
+        "INTENT_RECORDED",
+        "DISPATCHED",
+        "SUCCEEDED",
+        "webhook:crm:PENDING",
+        "webhook:crm:SENT",
+        "webhook:crm:ACKED",
+        "queue:billing:PENDING",
+        "queue:billing:SENT",
+        "queue:billing:ACKED",
+    ]
     dispatched, succeeded = events[1], events[2]
     assert isinstance(dispatched, ExecutionTransitioned)
     assert isinstance(succeeded, ExecutionTransitioned)
@@ -218,9 +224,14 @@ def test_delivery_retries_never_call_the_provider_again() -> None:
     assert report.delivery_attempts == {"webhook:crm": 3, "queue:billing": 1}
     crm_states = [s for s in _states(events) if s.startswith("webhook:crm")]
     assert crm_states == [
-        "webhook:crm:PENDING", "webhook:crm:SENT", "webhook:crm:PENDING", "webhook:crm:SENT",
-        "webhook:crm:PENDING", "webhook:crm:SENT", "webhook:crm:ACKED",
-    ]  # fmt: skip
+        "webhook:crm:PENDING",
+        "webhook:crm:SENT",
+        "webhook:crm:PENDING",
+        "webhook:crm:SENT",
+        "webhook:crm:PENDING",
+        "webhook:crm:SENT",
+        "webhook:crm:ACKED",
+    ]
     retries = [
         e
         for e in events

@@ -24,20 +24,59 @@ PACKAGES = ("ledger", *COMPONENTS, "opledger")
 DOMAIN_THIRD_PARTY = {"pydantic", "pydantic_core", "annotated_types", "typing_extensions"}
 # Standard-library modules that would bring I/O, a clock or randomness into the pure domain.
 DOMAIN_FORBIDDEN_STDLIB = {
-    "os", "sys", "time", "random", "secrets", "uuid", "socket", "ssl", "select", "selectors",
-    "subprocess", "threading", "multiprocessing", "asyncio", "urllib", "http", "sqlite3",
-    "shutil", "tempfile", "signal",
-}  # fmt: skip
+    "os",
+    "sys",
+    "time",
+    "random",
+    "secrets",
+    "uuid",
+    "socket",
+    "ssl",
+    "select",
+    "selectors",
+    "subprocess",
+    "threading",
+    "multiprocessing",
+    "asyncio",
+    "urllib",
+    "http",
+    "sqlite3",
+    "shutil",
+    "tempfile",
+    "signal",
+}
 # Named explicitly so a future "it's stdlib-like" exception cannot sneak them in.
 DOMAIN_FORBIDDEN_THIRD_PARTY = {
-    "confluent_kafka", "faust", "mode", "aiokafka", "kafka", "psycopg", "psycopg2",
-    "prometheus_client", "requests", "httpx", "fastavro",
-}  # fmt: skip
+    "confluent_kafka",
+    "faust",
+    "mode",
+    "aiokafka",
+    "kafka",
+    "psycopg",
+    "psycopg2",
+    "prometheus_client",
+    "requests",
+    "httpx",
+    "fastavro",
+}
 # Calls that read the clock or the entropy pool: `datetime.now()`, `os.urandom(...)`, ...
 DOMAIN_FORBIDDEN_CALLS = {
-    "now", "utcnow", "today", "time", "time_ns", "monotonic", "perf_counter", "urandom",
-    "uuid1", "uuid4", "token_bytes", "token_hex", "randbytes", "getrandbits", "random",
-}  # fmt: skip
+    "now",
+    "utcnow",
+    "today",
+    "time",
+    "time_ns",
+    "monotonic",
+    "perf_counter",
+    "urandom",
+    "uuid1",
+    "uuid4",
+    "token_bytes",
+    "token_hex",
+    "randbytes",
+    "getrandbits",
+    "random",
+}
 DYNAMIC_IMPORTS = {"import_module", "__import__"}
 
 
