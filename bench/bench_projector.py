@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
-from benchenv import end_offsets, isolated, produce_all
+from benchenv import isolated, produce_all
 from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.fold import (
@@ -45,6 +45,7 @@ from ledger.domain.fold import (
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, SourcedEvent
 from ledger.settings import Settings
+from ledger.topics import end_offsets
 from opledger.workload import Workload
 from processors.batch_reader import BatchProjector
 from projections.schema import apply_migrations

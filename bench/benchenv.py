@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from uuid import uuid4
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
@@ -136,22 +136,3 @@ def produce_all(settings: Settings, events: Iterable[Transition]) -> list[tuple[
     if p.flush(60) or failures:
         raise SystemExit(f"broker did not acknowledge every record: {failures[:3]}")
     return coordinates
-
-
-def end_offsets(settings: Settings, topics: Iterable[str]) -> dict[tuple[str, int], int]:
-    """High watermark per (topic, partition)."""
-    consumer = Consumer(
-        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "bench-probe"}
-    )
-    try:
-        out = {}
-        meta = consumer.list_topics(timeout=10)
-        for topic in topics:
-            for partition in meta.topics[topic].partitions:
-                _, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=10
-                )
-                out[(topic, partition)] = high
-        return out
-    finally:
-        consumer.close()

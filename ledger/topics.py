@@ -7,11 +7,11 @@ partition count and configuration the processors rely on.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 # confluent_kafka.admin re-exports NewTopic implicitly, which mypy strict rejects.
@@ -108,3 +108,23 @@ def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
                 f"{spec.partitions}; key -> partition routing would change, so use a new "
                 f"topic_prefix or delete the topic"
             )
+
+
+def end_offsets(settings: Settings, topics: Iterable[str]) -> dict[tuple[str, int], int]:
+    """The high watermark of every partition of ``topics``: where "caught up" ends."""
+    # A throwaway consumer: watermark queries need one, and it never joins its group.
+    consumer = Consumer(
+        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "opledger-watermarks"}
+    )
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        meta = consumer.list_topics(timeout=10)
+        for topic in topics:
+            for partition in meta.topics[topic].partitions:
+                _low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=10
+                )
+                ends[(topic, partition)] = high
+        return ends
+    finally:
+        consumer.close()

@@ -201,50 +201,20 @@ def _log_tail(settings: Settings, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _end_offsets(settings: Settings) -> dict[tuple[str, int], int]:
-    from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
-
-    consumer = Consumer(
-        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "opledger-demo-probe"}
-    )
-    try:
-        ends: dict[tuple[str, int], int] = {}
-        meta = consumer.list_topics(timeout=10)
-        for topic in (settings.execution_topic, settings.delivery_topic):
-            for partition in meta.topics[topic].partitions:
-                _low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=10
-                )
-                ends[(topic, partition)] = high
-        return ends
-    finally:
-        consumer.close()
-
-
-def _stored_offsets(settings: Settings) -> dict[tuple[str, int], int]:
-    import psycopg  # noqa: PLC0415
-
-    try:
-        with psycopg.connect(settings.dsn, connect_timeout=5) as conn:
-            rows = conn.execute(
-                "SELECT topic, partition, next_offset FROM projector_offsets WHERE consumer = %s",
-                (settings.projector_group,),
-            ).fetchall()
-    except psycopg.errors.UndefinedTable:
-        return {}  # the projector has not created its tables yet
-    return {(t, p): n for t, p, n in rows}
-
-
 def _wait_caught_up(
     settings: Settings, process: subprocess.Popen[bytes] | None, console: Console
 ) -> float:
     """Wait until the projector's stored offsets reach the topics' ends; seconds waited."""
+    from ledger.topics import end_offsets  # noqa: PLC0415
+    from projections.progress import records_behind, stored_offsets  # noqa: PLC0415
+
     started = time.monotonic()
-    ends = _end_offsets(settings)  # everything was acknowledged before this: nothing is in flight
+    # Everything was acknowledged before this, so nothing is in flight past these ends.
+    ends = end_offsets(settings, (settings.execution_topic, settings.delivery_topic))
     with console.status("waiting for the projector to catch up..."):
         while True:
-            stored = _stored_offsets(settings)
-            if all(stored.get(key, 0) >= high for key, high in ends.items()):
+            stored = stored_offsets(settings.dsn, settings.projector_group)
+            if records_behind(ends, stored) == 0:
                 return time.monotonic() - started
             if process is not None and process.poll() is not None:
                 raise DemoError(
@@ -252,7 +222,7 @@ def _wait_caught_up(
                     f"{_log_tail(settings)}"
                 )
             if time.monotonic() - started > CATCH_UP_TIMEOUT_S:
-                behind = sum(max(0, h - stored.get(k, 0)) for k, h in ends.items())
+                behind = records_behind(ends, stored)
                 raise DemoError(
                     f"the projector is still {behind} records behind after "
                     f"{CATCH_UP_TIMEOUT_S:.0f}s. If one was already serving on port "

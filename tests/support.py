@@ -5,7 +5,7 @@ every record read back from Kafka, partition by partition, with no batching, SQL
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,9 @@ from ledger.domain.fold import (
 )
 from ledger.metrics import Metrics
 from ledger.settings import Settings
+from ledger.topics import end_offsets
 from processors.batch_reader import BatchProjector
+from projections import progress
 from projections.writer import PostgresProjection
 
 
@@ -70,38 +72,13 @@ def produce_raw(settings: Settings, topic: str, key: bytes | None, value: bytes 
     assert p.flush(30) == 0
 
 
-def end_offsets(settings: Settings, topics: Sequence[str]) -> dict[tuple[str, int], int]:
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "probe"})
-    try:
-        out = {}
-        meta = consumer.list_topics(timeout=10)
-        for topic in topics:
-            for partition in meta.topics[topic].partitions:
-                _, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=10
-                )
-                out[(topic, partition)] = high
-        return out
-    finally:
-        consumer.close()
-
-
 def stored_offsets(settings: Settings) -> dict[tuple[str, int], int]:
-    with psycopg.connect(settings.dsn) as conn:
-        try:
-            rows = conn.execute(
-                "SELECT topic, partition, next_offset FROM projector_offsets WHERE consumer = %s",
-                (settings.projector_group,),
-            ).fetchall()
-        except psycopg.errors.UndefinedTable:
-            return {}
-    return {(t, p): n for t, p, n in rows}
+    return progress.stored_offsets(settings.dsn, settings.projector_group)
 
 
 def caught_up(settings: Settings) -> bool:
     ends = end_offsets(settings, [settings.execution_topic, settings.delivery_topic])
-    stored = stored_offsets(settings)
-    return all(stored.get(k, 0) >= high for k, high in ends.items())
+    return progress.records_behind(ends, stored_offsets(settings)) == 0
 
 
 def wait_caught_up(settings: Settings, timeout: float = 120.0) -> float:
