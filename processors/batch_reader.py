@@ -1,8 +1,9 @@
 """The projector's read path: a confluent-kafka consumer polled in batches, beneath faust.
 
-Why not a faust agent: on this 2-core machine a faust agent that only counts events tops out near
-13-14k events/s (its per-event path), below the projector's 20k/s target, while a batch
-``consume()`` loop reads millions per second. faust still hosts this loop as a service (worker
+Why not a faust agent: on this 2-core machine a faust agent that only counts our events reads
+about 12-13k events/s (its per-event path, ``take`` or plain iteration alike), below the
+projector's 20k/s target, while a batch ``consume()`` loop reads about 1M/s and about 93k/s
+with every record decoded (``bench/bench_read_path.py``). faust still hosts this loop as a service (worker
 lifecycle, signals, web /metrics); the loop just reads beneath the per-event stream.
 
 Partitions are assigned, not subscribed: positions live in PostgreSQL with the rows they produced,
