@@ -25,10 +25,13 @@ from typing import IO, TYPE_CHECKING, Any
 from ledger.settings import Settings
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from rich.console import Console
 
     from producers.executor import ExecutionReport
     from producers.provider import FakeDestination, FakeProvider
+    from producers.transport import OutgoingRecord, Transport
     from projections.queries import Summary
 
 #: Exit codes: 1 when the run finished but an invariant or a cross-check failed; 2 when it could
@@ -43,6 +46,9 @@ DESTINATION_FAILURE = {"webhook:crm": 0.25, "queue:billing": 0.08}
 #: Accepted but the acknowledgement is lost: the retry shows consumer-side deduplication.
 ACK_LOST_RATE = 0.03
 MAX_DELIVERY_ATTEMPTS = 3
+#: Share of appends whose broker acknowledgement is lost (the record itself is durable): the
+#: executor retries the step, and the projector must count the repeat as a duplicate.
+APPEND_ACK_LOST_RATE = 0.02
 CATCH_UP_TIMEOUT_S = 90.0
 PROJECTOR_STOP_TIMEOUT_S = 20.0
 
@@ -283,10 +289,13 @@ def _run_workload(
     reports: list[ExecutionReport] = []
     lock = threading.Lock()
 
-    def work(share: list[_Call], progress: Progress, task: Any) -> None:
+    def work(index: int, share: list[_Call], progress: Progress, task: Any) -> None:
+        def lose_some_acks(inner: Transport) -> Transport:
+            return _LostAcks(inner, APPEND_ACK_LOST_RATE, random.Random(args.seed * 1000 + index))
+
         # One recorder per thread: its result store's connection runs one transaction at a
         # time, and a producer per thread keeps their acknowledgement waits independent.
-        with TransitionRecorder.connect(settings) as recorder:
+        with TransitionRecorder.connect(settings, wrap_transport=lose_some_acks) as recorder:
             executor = Executor(
                 recorder,
                 provider,
@@ -318,11 +327,33 @@ def _run_workload(
         task = progress.add_task("executing", total=len(calls))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="executor") as pool:
             futures = [
-                pool.submit(work, calls[index::workers], progress, task) for index in range(workers)
+                pool.submit(work, index, calls[index::workers], progress, task)
+                for index in range(workers)
             ]
             for future in futures:
                 future.result()  # re-raises a worker's RecordError here
     return reports
+
+
+class _LostAcks:
+    """A transport that loses the acknowledgement (never the record) of a share of sends, as a
+    network blip between broker and service would: the send is durable, the caller hears a
+    timeout, and retries."""
+
+    def __init__(self, inner: Transport, rate: float, rng: random.Random) -> None:
+        self._inner = inner
+        self._rate = rate
+        self._rng = rng
+
+    def send(self, records: Sequence[OutgoingRecord]) -> None:
+        from producers.errors import DeliveryTimeoutError  # noqa: PLC0415
+
+        self._inner.send(records)
+        if self._rng.random() < self._rate:
+            raise DeliveryTimeoutError("acknowledgement lost after a durable send (demo)")
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 # -- report ---------------------------------------------------------------------------------------

@@ -15,17 +15,22 @@ result: nothing on the delivery path can reach the provider.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ledger.domain.ids import idempotency_key
 from ledger.domain.states import DeliveryState, ExecutionState
+from producers.errors import DeliveryTimeoutError
 from producers.operation import TrackedOperation
 from producers.provider import Destination, ToolProvider
 from producers.recorder import TransitionRecorder, clean_error
+
+T = TypeVar("T")
+log = logging.getLogger("opledger.executor")
 
 
 def exponential_backoff(attempt: int) -> timedelta:
@@ -63,6 +68,7 @@ class Executor:
         destinations: Mapping[str, Destination],
         *,
         max_delivery_attempts: int = 3,
+        record_retries: int = 2,
         backoff: Callable[[int], timedelta] = exponential_backoff,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -73,6 +79,7 @@ class Executor:
         self._provider = provider
         self._destinations = dict(destinations)
         self._max_attempts = max_delivery_attempts
+        self._record_retries = record_retries
         self._backoff = backoff
         self._sleep = sleep
         self._clock = clock
@@ -95,28 +102,35 @@ class Executor:
             # Checked before the intent: a typo must not leave a SUCCEEDED operation whose
             # result can never be delivered.
             raise ValueError(f"no destination configured for {', '.join(unknown)}")
-        handle = self._recorder.intent(tenant_id, actor_id, tool_name, arguments)
+        # The id is fixed before the first try, so a retried intent repeats this operation
+        # instead of starting a second one.
+        operation_id = self._recorder.new_operation_id()
+        handle = self._record(
+            self._recorder.intent, tenant_id, actor_id, tool_name, arguments, operation_id
+        )
         key = idempotency_key(handle.operation_id)
         # Recorded (acknowledged by the broker) before the call: a crash between the two leaves
         # DISPATCHED without a call, which reconciliation resolves by looking the key up.
-        self._recorder.dispatched(handle, provider_ref=key)
+        self._record(self._recorder.dispatched, handle, provider_ref=key)
         calls = 1  # counted before the call: a call that raises was still made
         try:
             response = self._provider.call(tool_name, arguments, key)
         except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
             # ResponseLost or anything else after dispatch: the side effect may have happened.
             # Never retry here; reconciliation looks the key up with the provider.
-            self._recorder.unknown(handle, exc)
+            self._record(self._recorder.unknown, handle, exc)
             return self._report(handle, ExecutionState.UNKNOWN, calls)
         if not response.succeeded:
-            self._recorder.failed(handle, response.error or "provider reported failure")
+            self._record(
+                self._recorder.failed, handle, response.error or "provider reported failure"
+            )
             return self._report(handle, ExecutionState.FAILED, calls)
         if response.result is None:
             # A success without a result cannot be delivered; record that it happened anyway.
             result: bytes = b""
         else:
             result = response.result
-        self._recorder.succeeded(handle, result, content_type=response.content_type)
+        self._record(self._recorder.succeeded, handle, result, content_type=response.content_type)
         for destination in destinations:
             self.deliver(handle, destination)
         return self._report(handle, ExecutionState.SUCCEEDED, calls)
@@ -132,9 +146,9 @@ class Executor:
             raise ValueError(f"{handle.operation_id} has no result to deliver ({execution.state})")
         target = self._destinations[destination]
         if destination not in handle.deliveries:
-            self._recorder.delivery_pending(handle, destination)
+            self._record(self._recorder.delivery_pending, handle, destination)
         while True:
-            self._recorder.delivery_sent(handle, destination)
+            self._record(self._recorder.delivery_sent, handle, destination)
             attempt = handle.deliveries[destination].attempts
             try:
                 receipt = target.deliver(handle.operation_id, execution.result_ref)
@@ -142,16 +156,40 @@ class Executor:
             except Exception as exc:  # any failed send is retried as a delivery
                 error = clean_error(exc)
             if error is None:
-                self._recorder.delivery_acked(handle, destination)
+                self._record(self._recorder.delivery_acked, handle, destination)
                 return DeliveryState.ACKED
             if attempt >= self._max_attempts:
-                self._recorder.delivery_dead_lettered(
-                    handle, destination, f"gave up after {attempt} attempts: {error}"
+                self._record(
+                    self._recorder.delivery_dead_lettered,
+                    handle,
+                    destination,
+                    f"gave up after {attempt} attempts: {error}",
                 )
                 return DeliveryState.DEAD_LETTERED
             delay = self._backoff(attempt)
-            self._recorder.delivery_retry(handle, destination, self._clock() + delay, error)
+            self._record(
+                self._recorder.delivery_retry, handle, destination, self._clock() + delay, error
+            )
             self._sleep(delay.total_seconds())
+
+    def _record(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Take one recording step, retrying it when the broker's acknowledgement timed out.
+
+        The record may well be durable already (the ack, not the write, was lost): the retry
+        then appends the same (operation, state, attempt) again, which the projector recognises
+        and counts as a duplicate, never applying it twice. This is what a service retrying its
+        own call does, and why a repeated transition is not an anomaly.
+        """
+        for attempt in range(self._record_retries):
+            try:
+                return step(*args, **kwargs)
+            except DeliveryTimeoutError:
+                log.info(
+                    "acknowledgement timed out (%s, try %d); retrying the append",
+                    getattr(step, "__name__", "step"),
+                    attempt + 1,
+                )
+        return step(*args, **kwargs)
 
     @staticmethod
     def _report(handle: TrackedOperation, state: ExecutionState, calls: int) -> ExecutionReport:

@@ -110,14 +110,18 @@ class TransitionRecorder:
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         compression: str = "lz4",
         metrics: Metrics | None = None,
+        wrap_transport: Callable[[Transport], Transport] | None = None,
     ) -> Self:
         """A recorder with its own Kafka producer and (optionally) result store at settings.dsn.
 
         The result store's migrations are applied here, so ``succeeded(result=bytes)`` works.
+        ``wrap_transport`` interposes on every send (fault injection in the demo and tests).
         """
-        transport = KafkaTransport(
+        transport: Transport = KafkaTransport(
             settings, delivery_timeout_s=delivery_timeout_s, compression=compression
         )
+        if wrap_transport is not None:
+            transport = wrap_transport(transport)
         results = None
         if with_results:
             results = ResultStore.connect(settings.dsn)
@@ -144,7 +148,7 @@ class TransitionRecorder:
         """
         now_ns = self._clock_ns()
         if operation_id is None:
-            operation_id = ids.operation_id(now_ns // 1_000_000, self._entropy(10))
+            operation_id = self.new_operation_id()
         try:
             request_hash = ids.request_hash(tool_name, arguments)
         except (TypeError, ValueError) as exc:
@@ -164,6 +168,14 @@ class TransitionRecorder:
         with handle.lock:
             self._record(handle, event)
         return handle
+
+    def new_operation_id(self) -> str:
+        """A fresh ``op_`` ULID from this recorder's clock and entropy.
+
+        Take one before :meth:`intent` when the intent may have to be retried: a retry with the
+        same id is recognised as a repeat, while a retry without it would start a new operation.
+        """
+        return ids.operation_id(self._clock_ns() // 1_000_000, self._entropy(10))
 
     def dispatched(
         self,

@@ -17,6 +17,7 @@ from ledger.domain.fold import Applied, apply_delivery, apply_execution
 from ledger.domain.ids import content_ref
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.settings import Settings
+from producers.errors import DeliveryTimeoutError
 from producers.executor import Executor
 from producers.provider import (
     DeliveryReceipt,
@@ -306,3 +307,68 @@ def test_rates_are_roughly_honoured() -> None:
     assert 150 <= outcomes["failed"] <= 250
     assert 110 <= outcomes["lost"] <= 210
     assert provider.max_side_effects_per_key() == 1
+
+
+class AckLosingTransport(CapturingTransport):
+    """Keeps every record (the write is durable) but loses the acknowledgement of chosen sends."""
+
+    def __init__(self, lose: set[int]) -> None:
+        super().__init__()
+        self._lose = lose
+        self._sends = 0
+
+    def send(self, records: Sequence[OutgoingRecord]) -> None:
+        super().send(records)
+        self._sends += 1
+        if self._sends in self._lose:
+            raise DeliveryTimeoutError("acknowledgement lost")
+
+
+def test_a_lost_append_ack_is_retried_as_a_repeat_never_as_a_new_call() -> None:
+    # Lose the acks of the intent (send 1), the dispatch (send 3) and the success (send 5).
+    transport = AckLosingTransport({1, 3, 5})
+    recorder = TransitionRecorder(
+        Settings(home=Path("/nonexistent")), transport, results=MemoryResults()
+    )
+    provider = CountingProvider(FakeProvider(failure_rate=0, lost_rate=0))
+    dests = {name: FakeDestination(name, 0.0) for name in DESTS}
+    executor = Executor(recorder, provider, dests, sleep=lambda _s: None)
+    report = executor.execute("acme", "agent-1", "send_email", {"to": "a@example.com"}, DESTS)
+
+    events = transport.events()
+    assert report.state is ExecutionState.SUCCEEDED
+    assert provider.calls == 1, "a retried append must never call the provider again"
+    assert {e.operation_id for e in events} == {report.operation_id}
+    execution = [e for e in events if isinstance(e, ExecutionTransitioned)]
+    assert [(str(e.state), e.attempt) for e in execution] == [
+        ("INTENT_RECORDED", 0),
+        ("INTENT_RECORDED", 0),
+        ("DISPATCHED", 1),
+        ("DISPATCHED", 1),
+        ("SUCCEEDED", 1),
+        ("SUCCEEDED", 1),
+    ]
+    # Each repeat is a new event of the same (operation, state, attempt): the fold calls it a
+    # duplicate, so the projection applies it once.
+    assert len({e.event_id for e in execution}) == 6
+    record = None
+    outcomes = []
+    for event in execution:
+        outcome: Any = apply_execution(record, event)
+        outcomes.append(type(outcome).__name__)
+        if isinstance(outcome, Applied):
+            record = outcome.record
+    assert outcomes == ["Applied", "Duplicate"] * 3
+
+
+def test_an_append_that_keeps_timing_out_is_raised_after_the_retries() -> None:
+    transport = AckLosingTransport(set(range(1, 100)))
+    recorder = TransitionRecorder(
+        Settings(home=Path("/nonexistent")), transport, results=MemoryResults()
+    )
+    provider = CountingProvider(FakeProvider(failure_rate=0, lost_rate=0))
+    executor = Executor(recorder, provider, {}, record_retries=2)
+    with pytest.raises(DeliveryTimeoutError):
+        executor.execute("acme", "agent-1", "send_email", {"to": "a@example.com"}, [])
+    assert len(transport.records) == 3  # the first try and two retries of the intent
+    assert provider.calls == 0, "nothing reaches the provider before DISPATCHED is durable"
