@@ -25,6 +25,8 @@ class Metrics:
     append_to_visible_seconds: Histogram
     projector_lag_records: Gauge
     projector_skipped_redelivered: Counter
+    execution_oldest_age_seconds: Gauge
+    delivery_oldest_age_seconds: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -93,6 +95,19 @@ class Metrics:
             projector_skipped_redelivered=Counter(
                 "opledger_projector_skipped_redelivered_total",
                 "Records skipped because their offset was already projected (redelivery).",
+                registry=registry,
+            ),
+            execution_oldest_age_seconds=Gauge(
+                "opledger_execution_oldest_age_seconds",
+                "Age of the oldest operation in each unfinished execution state (UNKNOWN above "
+                "all: it waits for reconciliation); absent when no operation is in that state.",
+                ["state"],
+                registry=registry,
+            ),
+            delivery_oldest_age_seconds=Gauge(
+                "opledger_delivery_oldest_age_seconds",
+                "Age of the oldest unfinished (PENDING or SENT) delivery per destination.",
+                ["destination", "state"],
                 registry=registry,
             ),
         )

@@ -64,6 +64,19 @@ class ProjectionReport:
     skipped_redelivered: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class OpenAges:
+    """How long the oldest unfinished work has waited, from the projections.
+
+    ``executions`` maps a non-terminal execution state to the age in seconds of its oldest
+    operation; ``deliveries`` maps (destination, non-terminal state) likewise. What a heartbeat
+    cannot show: a worker can be alive while UNKNOWN operations or PENDING deliveries pile up.
+    """
+
+    executions: Mapping[str, float]
+    deliveries: Mapping[tuple[str, str], float]
+
+
 class ProjectionSink(Protocol):
     """Where the projector folds batches; implemented over PostgreSQL in ``projections``."""
 
@@ -73,4 +86,8 @@ class ProjectionSink(Protocol):
 
     def project(self, consumer: str, batch: ProjectionBatch) -> ProjectionReport:
         """Fold the batch and commit rows and offsets in one transaction."""
+        ...
+
+    def open_ages(self) -> OpenAges:
+        """Age of the oldest operation in each non-terminal state (see :class:`OpenAges`)."""
         ...

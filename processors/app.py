@@ -22,6 +22,8 @@ from processors.batch_reader import BatchProjector
 
 log = logging.getLogger("opledger.projector")
 
+_METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST.partition("; charset")[0]
+
 
 def create_app(settings: Settings, projector: BatchProjector, registry: CollectorRegistry) -> Any:
     """A faust App hosting ``projector``.
@@ -61,7 +63,8 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
 
     @app.page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:
-        return web.bytes(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+        # aiohttp refuses a charset inside content_type; the exposition format is UTF-8 anyway.
+        return web.bytes(generate_latest(registry), content_type=_METRICS_CONTENT_TYPE)
 
     @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:

@@ -3,8 +3,9 @@
 Why not a faust agent: on this 2-core machine a faust agent that only counts our events reads
 about 12-13k events/s (its per-event path, ``take`` or plain iteration alike), below the
 projector's 20k/s target, while a batch ``consume()`` loop reads about 1M/s and about 93k/s
-with every record decoded (``bench/bench_read_path.py``). faust still hosts this loop as a service (worker
-lifecycle, signals, web /metrics); the loop just reads beneath the per-event stream.
+with every record decoded (``bench/bench_read_path.py``). faust still hosts this loop as a
+service (worker lifecycle, signals, web /metrics); the loop just reads beneath the per-event
+stream.
 
 Partitions are assigned, not subscribed: positions live in PostgreSQL with the rows they produced,
 so there is no group rebalance to wait for after a SIGKILL, and a restarted projector resumes at
@@ -122,6 +123,7 @@ class BatchProjector:
         self._stopping = False
         self._positions: dict[tuple[str, int], int] = {}
         self._lag_reported_at = 0.0
+        self._ages_reported_at = 0.0
         self.batches = 0
 
     def stop(self) -> None:
@@ -190,6 +192,7 @@ class BatchProjector:
         assert self._consumer is not None, "run() opens the consumer"
         messages = self._consumer.consume(self._config.batch_size, self._config.poll_timeout_s)
         self._report_lag()
+        self._report_open_ages()
         if not messages:
             return None
         started = time.perf_counter()
@@ -234,6 +237,23 @@ class BatchProjector:
         self._positions.update(next_offsets)
         self._observe(report, batch, time.perf_counter() - started)
         return report
+
+    def _report_open_ages(self, every_s: float = 5.0) -> None:
+        """Refresh the oldest-unfinished-work gauges from the projections."""
+        now = time.monotonic()
+        if now - self._ages_reported_at < every_s:
+            return
+        self._ages_reported_at = now
+        ages = self._sink.open_ages()
+        executions = self._metrics.execution_oldest_age_seconds
+        deliveries = self._metrics.delivery_oldest_age_seconds
+        # Cleared first: a state that emptied must disappear, not keep its last age.
+        executions.clear()
+        deliveries.clear()
+        for state, age in ages.executions.items():
+            executions.labels(state).set(age)
+        for (destination, state), age in ages.deliveries.items():
+            deliveries.labels(destination, state).set(age)
 
     def _report_lag(self, every_s: float = 1.0) -> None:
         """Set the lag gauge from librdkafka's cached high watermarks (no broker round trip).

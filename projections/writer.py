@@ -31,7 +31,7 @@ from ledger.domain.fold import (
     apply_execution,
 )
 from ledger.domain.states import DeliveryState, ExecutionState
-from ledger.records import ProjectionBatch, ProjectionReport, SourcedEvent
+from ledger.records import OpenAges, ProjectionBatch, ProjectionReport, SourcedEvent
 from projections.schema import apply_migrations
 
 _OP_COLUMNS = (
@@ -223,6 +223,24 @@ class PostgresProjection:
             (consumer, list(topics)),
         ).fetchall()
         return {(t, p): n for t, p, n in rows}
+
+    def open_ages(self) -> OpenAges:
+        # Both queries read the partial indexes on unfinished rows (migration 002), so they stay
+        # cheap however many finished operations the tables hold.
+        executions = self._conn.execute(
+            "SELECT execution_state, extract(epoch FROM now() - min(state_entered_at)) "
+            "FROM agent_operations "
+            "WHERE execution_state IN ('INTENT_RECORDED', 'DISPATCHED', 'UNKNOWN') "
+            "GROUP BY execution_state"
+        ).fetchall()
+        deliveries = self._conn.execute(
+            "SELECT destination, state, extract(epoch FROM now() - min(state_entered_at)) "
+            "FROM deliveries WHERE state IN ('PENDING', 'SENT') GROUP BY destination, state"
+        ).fetchall()
+        return OpenAges(
+            executions={state: float(age) for state, age in executions},
+            deliveries={(dest, state): float(age) for dest, state, age in deliveries},
+        )
 
     def project(self, consumer: str, batch: ProjectionBatch) -> ProjectionReport:
         self._ensure_staging()
