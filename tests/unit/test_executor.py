@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
 from ledger.domain.fold import Applied, apply_delivery, apply_execution
 from ledger.domain.ids import content_ref
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.metrics import Metrics
 from ledger.settings import Settings
 from producers.errors import DeliveryTimeoutError
 from producers.executor import Executor
@@ -372,3 +374,29 @@ def test_an_append_that_keeps_timing_out_is_raised_after_the_retries() -> None:
         executor.execute("acme", "agent-1", "send_email", {"to": "a@example.com"}, [])
     assert len(transport.records) == 3  # the first try and two retries of the intent
     assert provider.calls == 0, "nothing reaches the provider before DISPATCHED is durable"
+
+
+def test_recorder_metrics_count_acknowledged_appends_only() -> None:
+    registry = CollectorRegistry()
+    transport = AckLosingTransport({2})  # the dispatch's first ack is lost, then retried
+    recorder = TransitionRecorder(
+        Settings(home=Path("/nonexistent")),
+        transport,
+        results=MemoryResults(),
+        metrics=Metrics.create(registry),
+    )
+    executor = Executor(
+        recorder,
+        CountingProvider(FakeProvider(failure_rate=0, lost_rate=0)),
+        {"webhook:crm": FakeDestination("webhook:crm", 0.0)},
+    )
+    executor.execute("acme", "agent-1", "send_email", {"to": "a@example.com"}, ["webhook:crm"])
+
+    def appended(machine: str) -> float | None:
+        return registry.get_sample_value("opledger_records_appended_total", {"machine": machine})
+
+    # intent, dispatched (sent twice, acknowledged once), succeeded; pending, sent, acked.
+    assert len(transport.records) == 7
+    assert appended("execution") == 3
+    assert appended("delivery") == 3
+    assert registry.get_sample_value("opledger_append_seconds_count") == 6
