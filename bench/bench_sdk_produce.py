@@ -18,16 +18,15 @@ import pstats
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from uuid import uuid4
 
 from confluent_kafka import Producer
 
+from benchenv import isolated
 from ledger.codec import default_codec
 from ledger.domain import ids
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.settings import Settings
-from ledger.topics import ensure_topics
 from producers import KafkaTransport, TransitionRecorder, producer_config
 
 EVENTS_PER_OPERATION = 4
@@ -138,8 +137,20 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the last SDK round")
     args = parser.parse_args()
 
-    settings = Settings.from_env().with_(topic_prefix=f"bench-{uuid4().hex[:8]}")
-    ensure_topics(settings)
+    # Private topics (and database), deleted on exit whatever happens.
+    with isolated(Settings.from_env(), "sdk") as env:
+        rounds = _run_rounds(env.settings, args)
+    raw = max(x for x, _ in rounds)
+    sdk = max(y for _, y in rounds)
+    print(
+        f"topics {env.settings.topic_prefix}.*  compression={args.compression}  batch={args.batch}"
+    )
+    print(f"raw confluent-kafka: {raw:,.0f} records/s (best of {args.rounds})")
+    print(f"sdk append:          {sdk:,.0f} transitions/s (best of {args.rounds})")
+    print(f"ratio = sdk/raw = {sdk / raw:.2f}  (target >= 0.8)")
+
+
+def _run_rounds(settings: Settings, args: argparse.Namespace) -> list[tuple[float, float]]:
     start = datetime.now(UTC)
     operations = max(1, args.events // EVENTS_PER_OPERATION)
     print(f"building {operations * EVENTS_PER_OPERATION} events (not timed)...", flush=True)
@@ -159,12 +170,7 @@ def main() -> None:
         del events
         gc.unfreeze()
         print(f"round {r + 1}: raw {raw:,.0f}/s  sdk {sdk:,.0f}/s  ratio {sdk / raw:.2f}")
-    raw = max(x for x, _ in rounds)
-    sdk = max(y for _, y in rounds)
-    print(f"topics {settings.topic_prefix}.*  compression={args.compression}  batch={args.batch}")
-    print(f"raw confluent-kafka: {raw:,.0f} records/s (best of {args.rounds})")
-    print(f"sdk append:          {sdk:,.0f} transitions/s (best of {args.rounds})")
-    print(f"ratio = sdk/raw = {sdk / raw:.2f}  (target >= 0.8)")
+    return rounds
 
 
 if __name__ == "__main__":

@@ -14,12 +14,17 @@ from uuid import uuid4
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
+from hypothesis import settings as hypothesis_settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from ledger.settings import Settings
-from ledger.topics import ensure_topics, topic_specs
+from ledger.topics import ensure_topics
 from opledger import stack
+
+# Two cores are shared with Kafka and PostgreSQL: a slow example is not a failing one.
+hypothesis_settings.register_profile("opledger", deadline=None)
+hypothesis_settings.load_profile("opledger")
 
 _TIERS = {"integration": "integration", "chaos": "chaos"}
 
@@ -60,7 +65,13 @@ def isolated(stack_settings: Settings) -> Iterator[Settings]:
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
             )
         # Infinite retention would otherwise keep every test's records on disk forever.
+        # The projector's faust worker adds its own internal topics under the same prefix.
         admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
-        futures = admin.delete_topics([spec.name for spec in topic_specs(settings)])
-        for future in futures.values():
-            future.exception(timeout=30)
+        ours = [
+            t
+            for t in admin.list_topics(timeout=10).topics
+            if t.startswith(f"{tag}.") or t.startswith(f"{tag}-")
+        ]
+        if ours:
+            for future in admin.delete_topics(ours).values():
+                future.exception(timeout=30)
