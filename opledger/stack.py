@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import json
 import os
 import pwd
 import re
@@ -17,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from ledger.settings import Settings
@@ -339,6 +342,7 @@ def _start_kafka(settings: Settings, echo: Echo) -> None:
     _kafka_pid_file(settings).write_text(f"{process.pid}\n")
     echo(f"kafka: starting (pid {process.pid}) on 127.0.0.1:{settings.kafka_port}")
     _wait_kafka(settings, process)
+    _wait_producer_ids(settings)
 
 
 def _wait_kafka(settings: Settings, process: subprocess.Popen[bytes]) -> None:
@@ -356,6 +360,40 @@ def _wait_kafka(settings: Settings, process: subprocess.Popen[bytes]) -> None:
         f"kafka not healthy after {KAFKA_START_TIMEOUT:.0f}s (pid {process.pid}); "
         "last log lines:\n" + _kafka_log_tails(settings)
     )
+
+
+def _wait_producer_ids(settings: Settings, timeout: float = 60.0) -> None:
+    """Wait until the broker hands out idempotent-producer ids.
+
+    Right after start the broker answers metadata while its transaction coordinator is still
+    loading; the first idempotent producers (every SDK client) would then log "Coordinator load
+    in progress" warnings and retry. An idempotent producer that writes nothing, watched through
+    librdkafka's statistics, tells when an id has been assigned.
+    """
+    assigned = threading.Event()
+
+    def on_stats(raw: str) -> None:
+        if json.loads(raw).get("eos", {}).get("idemp_state") == "Assigned":
+            assigned.set()
+
+    probe = Producer(
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "enable.idempotence": True,
+            "statistics.interval.ms": 100,
+            "stats_cb": on_stats,
+            "log_level": 0,  # the retries this waits out are expected; keep them quiet
+        }
+    )
+    deadline = time.monotonic() + timeout
+    while not assigned.is_set():
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"kafka did not assign a producer id within {timeout:.0f}s; last log lines:\n"
+                + _kafka_log_tails(settings)
+            )
+        probe.poll(0.1)
+    probe.flush(1)
 
 
 def _kafka_log_tails(settings: Settings) -> str:
