@@ -51,6 +51,14 @@ class Workload:
     def _ms(self) -> int:
         return int(self._now.timestamp() * 1000)
 
+    def _maybe_repeat(self, out: list[Transition]) -> None:
+        """Sometimes append the last event again under a new event id, as a service that
+        retries its own append after a lost acknowledgement would."""
+        if self._rng.random() < self._mix.duplicate_append:
+            out.append(
+                out[-1].model_copy(update={"event_id": event_id(self._ms(), self._entropy())})
+            )
+
     def operation(self) -> list[Transition]:
         """The events of one operation, in order (with occasional repeated appends)."""
         rng, mix = self._rng, self._mix
@@ -76,10 +84,7 @@ class Workload:
                     **extra,
                 )
             )
-            if rng.random() < mix.duplicate_append:
-                out.append(
-                    out[-1].model_copy(update={"event_id": event_id(self._ms(), self._entropy())})
-                )
+            self._maybe_repeat(out)
 
         execution(ExecutionState.INTENT_RECORDED, 0)
         provider_ref = f"prov-{rng.randbytes(6).hex()}"
@@ -121,10 +126,7 @@ class Workload:
                     **extra,
                 )
             )
-            if rng.random() < mix.duplicate_append:
-                out.append(
-                    out[-1].model_copy(update={"event_id": event_id(self._ms(), self._entropy())})
-                )
+            self._maybe_repeat(out)
 
         step(DeliveryState.PENDING, 0)
         attempt = 1
