@@ -129,11 +129,14 @@ class PlainRecord:
                 if nullable:
                     branch = data[pos]
                     pos += 1
+                    if branch & 0x80:  # a valid index written in a longer varint than needed
+                        branch, pos = _read_varint_tail(data, pos, branch)
+                    branch = (branch >> 1) ^ -(branch & 1)
                     if branch == 0:
                         datum[name] = None
                         continue
-                    if branch != 2:
-                        raise CorruptBodyError(f"{name}: union branch byte {branch}")
+                    if branch != 1:
+                        raise CorruptBodyError(f"{name}: union branch {branch} out of range")
                 # Inline fast path for one-byte varints (lengths, attempts, enum indexes).
                 n = data[pos]
                 pos += 1
