@@ -90,47 +90,55 @@ def test_projector_survives_repeated_sigkill(isolated: Settings, tmp_path: Path)
         ends = end_offsets(settings, [settings.execution_topic, settings.delivery_topic])
         return sum(ends.values()) - _projected(settings)
 
-    burst_producer = producer(settings)
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
-    rng = random.Random(1)
-    kills_mid_stream = 0
-    self_kills = 0
-    proc = _start(settings, log)
-    progress = 0
-    # Four external SIGKILLs at random moments, then two at exact boundaries via fault points.
-    for round_ in range(ROUNDS):
-        progress = _wait_progress(settings, progress, proc)
-        burst(round_)
-        if round_ < 4:
-            time.sleep(rng.uniform(0.0, 0.3))
-            if behind() > 0:
-                kills_mid_stream += 1
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            progress = _projected(settings)
-            proc = _start(settings, log, "projector.after_commit:kill@3" if round_ == 3 else "")
-        else:
-            # The armed process kills itself at the boundary; wait for it, then restart.
-            proc.wait(60)
-            assert proc.returncode == -signal.SIGKILL, (
-                f"fault point did not fire: {proc.returncode}"
-            )
-            self_kills += 1
-            assert behind() > 0, "the fault point fired with nothing left to project"
-            progress = _projected(settings)
-            proc = _start(settings, log, "projector.before_commit:kill@2" if round_ == 4 else "")
-    feeder.join(120)
-    assert done.is_set(), "the producer did not finish"
-    try:
-        wait_caught_up(settings, timeout=120)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    started_procs: list[subprocess.Popen[bytes]] = []
 
+    def started(faults: str = "") -> subprocess.Popen[bytes]:
+        started_procs.append(_start(settings, log, faults))
+        return started_procs[-1]
+
+    # Whatever fails, no projector outlives the test (its topics are about to be deleted).
+    try:
+        burst_producer = producer(settings)
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        rng = random.Random(1)
+        kills_mid_stream = 0
+        self_kills = 0
+        proc = started()
+        progress = 0
+        # Four external SIGKILLs at random moments, then two at exact boundaries via fault points.
+        for round_ in range(ROUNDS):
+            progress = _wait_progress(settings, progress, proc)
+            burst(round_)
+            if round_ < 4:
+                time.sleep(rng.uniform(0.0, 0.3))
+                if behind() > 0:
+                    kills_mid_stream += 1
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+                progress = _projected(settings)
+                proc = started("projector.after_commit:kill@3" if round_ == 3 else "")
+            else:
+                # The armed process kills itself at the boundary; wait for it, then restart.
+                proc.wait(60)
+                assert proc.returncode == -signal.SIGKILL, (
+                    f"fault point did not fire: {proc.returncode}"
+                )
+                self_kills += 1
+                assert behind() > 0, "the fault point fired with nothing left to project"
+                progress = _projected(settings)
+                proc = started("projector.before_commit:kill@2" if round_ == 4 else "")
+        feeder.join(120)
+        assert done.is_set(), "the producer did not finish"
+        wait_caught_up(settings, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+    finally:
+        for leftover in started_procs:
+            if leftover.poll() is None:
+                os.killpg(leftover.pid, signal.SIGKILL)
+                leftover.wait(10)
     assert kills_mid_stream == 4, f"only {kills_mid_stream} kills happened with records unprojected"
     assert self_kills == 2
     summary = assert_projection_matches(settings, independent_fold(settings))

@@ -3,6 +3,7 @@ serving /metrics and /healthz, stopping cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -93,5 +94,9 @@ def test_worker_serves_metrics_that_match_the_projections(
         assert m[dead] == 1
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # never outlive the test, whatever happened
+            raise
     assert code == 0, log.read_text()[-2000:]
