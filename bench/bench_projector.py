@@ -93,7 +93,7 @@ def fold_in_memory(events: Sequence[Transition], coords: Sequence[tuple[str, int
                 ops[event.operation_id] = outcome.record
         else:
             key = (event.operation_id, event.destination)
-            outcome = apply_delivery(deliveries.get(key), event)
+            outcome = apply_delivery(deliveries.get(key), event, ops.get(event.operation_id))
             if isinstance(outcome, Applied):
                 deliveries[key] = outcome.record
         label = (

@@ -4,7 +4,7 @@ writes through. Defined here, in the shared kernel, so ``processors`` (which rea
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,15 +29,30 @@ class SourcedEvent:
     timestamp_ms: int
 
 
+class SinkUnavailableError(RuntimeError):
+    """The sink could not be reached or was interrupted (a restart, a lost connection, a
+    concurrent writer): nothing of the batch is stored, and the same batch may be tried again."""
+
+
+class RecordRefusedError(RuntimeError):
+    """The sink refused to store something in the batch (a value it cannot hold, a constraint):
+    trying again would fail again, so the culprit must be found and set aside."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """A record that could not be decoded; its reason travels to the dead-letter topic."""
+    """A record that could not be decoded or stored; its reason travels to the dead-letter
+    topic, with the record itself or, when the record is too large to republish, a reference to
+    it (``by_reference``)."""
 
     coordinates: Coordinates
     reason: str
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+    by_reference: bool = False
+    #: size of the original record's value (``value`` holds the reference when by_reference)
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +61,18 @@ class ProjectionBatch:
 
     ``next_offsets`` holds, per (topic, partition) in the batch, the offset after the last record
     read; the sink commits it with the rows so the batch is applied exactly once.
+
+    ``execution_topic`` and ``execution_end`` let the sink tell a delivery whose execution is
+    not projected *yet* from one whose execution does not exist: ``execution_end(p)`` is the
+    current end offset of partition ``p`` of the execution topic, asked when needed. Anything
+    that caused a delivery was appended before it, so below that end.
     """
 
     events: Sequence[SourcedEvent]
     dead_letters: Sequence[DeadLetter]
     next_offsets: Mapping[tuple[str, int], int]
+    execution_topic: str = ""
+    execution_end: Callable[[int], int] | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +84,9 @@ class ProjectionReport:
     anomalies: dict[str, int] = field(default_factory=lambda: {"execution": 0, "delivery": 0})
     dead_letters: int = 0
     skipped_redelivered: int = 0
+    #: (topic, partition) -> offset to read again from: deliveries held back until their
+    #: execution is projected (the sink committed that partition only up to there).
+    rewind: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -271,10 +271,12 @@ def _print_detail(console: Console, detail: OperationDetail) -> None:
     console.print(_history_table(detail.history))
     if detail.anomalies:
         table = Table(title="anomalies (never applied)", title_justify="left")
-        for column in ("topic/partition/offset", "machine", "reason"):
+        for column in ("topic/partition/offset", "machine", "kind", "reason"):
             table.add_column(column)
         for a in detail.anomalies:
-            table.add_row(f"{a.topic}/{a.partition}/{a.offset}", a.machine, escape(a.reason))
+            table.add_row(
+                f"{a.topic}/{a.partition}/{a.offset}", a.machine, a.kind, escape(a.reason)
+            )
         console.print(table)
     else:
         console.print("anomalies: none")

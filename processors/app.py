@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import faust
@@ -49,12 +50,31 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
         @mode.Service.task
         async def _project(self) -> None:
             loop = asyncio.get_running_loop()
+            finished: asyncio.Future[BaseException | None] = loop.create_future()
+
+            def run() -> None:
+                outcome: BaseException | None = None
+                try:
+                    projector.run()
+                except BaseException as exc:  # reported to the event loop, which crashes
+                    outcome = exc
+                loop.call_soon_threadsafe(finished.set_result, outcome)
+
+            # A daemon thread, not the default executor: a SIGTERM that arrives while faust is
+            # still starting may never reach on_stop, and a non-daemon thread would then keep
+            # the process alive. Killing the loop mid-batch is safe: offsets commit with rows.
+            threading.Thread(target=run, name="opledger-projector", daemon=True).start()
             try:
-                await loop.run_in_executor(None, projector.run)
-            except Exception as exc:
-                log.exception("projector loop failed; crashing the worker so it is restarted")
-                await self.crash(exc)
-                raise
+                failure = await finished
+            finally:
+                projector.stop()
+            if failure is not None:
+                log.error(
+                    "projector loop failed; crashing the worker so it is restarted",
+                    exc_info=failure,
+                )
+                await self.crash(failure)
+                raise failure
 
         async def on_stop(self) -> None:
             projector.stop()
@@ -68,6 +88,8 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
 
     @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
-        return web.json({"batches": projector.batches})
+        # 503 while the projector waits for PostgreSQL or the broker: alive is not healthy.
+        health = projector.health.snapshot()
+        return web.json(health, status=200 if health["progressing"] else 503)
 
     return app

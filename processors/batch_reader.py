@@ -10,13 +10,28 @@ stream.
 Partitions are assigned, not subscribed: positions live in PostgreSQL with the rows they produced,
 so there is no group rebalance to wait for after a SIGKILL, and a restarted projector resumes at
 exactly the committed position. Kafka's group offsets are committed afterwards for lag tooling only.
+
+Nothing a topic holds can stop this loop:
+
+- a record that cannot be decoded goes to the dead-letter topic with the reason;
+- a batch the database refuses (a value it cannot store, a constraint) is split in halves until
+  the culprit is alone; the rest commits, the culprit is dead-lettered with PostgreSQL's reason;
+- a record too large to republish is dead-lettered *by reference* (coordinates, size, digest,
+  a prefix); the original stays on its topic;
+- PostgreSQL or the broker going away is waited out with backoff, the batch kept and tried
+  again, while ``/healthz`` says the projector is not progressing.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +46,7 @@ from confluent_kafka import (
 
 from ledger.codec import Codec, DecodeError
 from ledger.faults import fault_point
+from ledger.kafka import consumer_config, producer_config
 from ledger.metrics import Metrics
 from ledger.records import (
     Coordinates,
@@ -38,6 +54,8 @@ from ledger.records import (
     ProjectionBatch,
     ProjectionReport,
     ProjectionSink,
+    RecordRefusedError,
+    SinkUnavailableError,
     SourcedEvent,
 )
 from ledger.settings import Settings
@@ -46,15 +64,30 @@ log = logging.getLogger("opledger.projector")
 
 _MACHINES = ("execution", "delivery")
 
+#: Largest record (key + value) republished whole to the dead-letter topic. The broker accepts
+#: records up to about 1 MiB (its message.max.bytes); a dead letter adds headers, so anything
+#: near that size is sent as a reference instead of being refused by the producer.
+DLQ_INLINE_LIMIT = 900_000
+#: Bytes of an oversized record kept in its reference, to help whoever investigates it.
+DLQ_PREFIX_BYTES = 1024
+_UNREACHABLE = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE)
+_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+
 
 class ProjectorError(RuntimeError):
-    """The projector cannot go on (broker unreachable, topics missing)."""
+    """The projector cannot go on (topics missing, a fatal client error, the dead-letter path
+    itself refused): the worker exits and its supervisor restarts it."""
+
+
+class _DeadLetterUnavailableError(RuntimeError):
+    """The dead-letter topic did not acknowledge a record (the broker is away)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReaderConfig:
     consumer_name: str
     topics: tuple[str, ...]
+    execution_topic: str
     dead_letter_topic: str
     batch_size: int
     poll_timeout_s: float = 0.05
@@ -64,6 +97,7 @@ def reader_config(settings: Settings) -> ReaderConfig:
     return ReaderConfig(
         consumer_name=settings.projector_group,
         topics=(settings.execution_topic, settings.delivery_topic),
+        execution_topic=settings.execution_topic,
         dead_letter_topic=settings.dead_letter_topic,
         batch_size=settings.projector_batch,
     )
@@ -101,6 +135,54 @@ def classify(
     return SourcedEvent(coords, event, timestamp_ms)
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One consumed record: what it decoded to, and its raw bytes (for the dead letters)."""
+
+    item: SourcedEvent | DeadLetter
+    key: bytes | None
+    value: bytes | None
+
+    @property
+    def coordinates(self) -> Coordinates:
+        return self.item.coordinates
+
+
+class Health:
+    """Whether the projector is making progress, for ``/healthz``. A live process proves little:
+    this says whether it is stuck waiting for PostgreSQL or the broker, and since when."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.progressing = True
+        self.reason: str | None = None
+        self.since = time.monotonic()
+        self.batches = 0
+
+    def ok(self, batches: int = 0) -> None:
+        with self._lock:
+            self.batches += batches
+            if not self.progressing:
+                log.info("projector progressing again after %.1fs", time.monotonic() - self.since)
+                self.progressing, self.reason, self.since = True, None, time.monotonic()
+
+    def stalled(self, reason: str) -> None:
+        with self._lock:
+            if self.progressing:
+                self.progressing, self.since = False, time.monotonic()
+            self.reason = reason
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "status": "ok" if self.progressing else "stalled",
+                "progressing": self.progressing,
+                "reason": self.reason,
+                "for_s": round(time.monotonic() - self.since, 1),
+                "batches": self.batches,
+            }
+
+
 class BatchProjector:
     """Reads both topics in batches and hands each batch to a :class:`ProjectionSink`."""
 
@@ -111,6 +193,8 @@ class BatchProjector:
         codec: Codec,
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
+        *,
+        max_backoff_s: float = 5.0,
     ) -> None:
         self._settings = settings
         self._config = reader_config(settings)
@@ -118,38 +202,50 @@ class BatchProjector:
         self._codec = codec
         self._metrics = metrics
         self._clock = clock
+        self._max_backoff_s = max_backoff_s
         self._consumer: Consumer | None = None
         self._dlq: Producer | None = None
-        self._stopping = False
+        self._stopping = threading.Event()
         self._positions: dict[tuple[str, int], int] = {}
         self._lag_reported_at = 0.0
         self._ages_reported_at = 0.0
-        self.batches = 0
+        # A batch read but not committed yet: kept across failures so nothing is skipped.
+        self._pending: list[_Read] | None = None
+        self._published: set[Coordinates] = set()
+        self._backoff_s = 0.0
+        self._kafka_down: KafkaError | None = None
+        self._kafka_checked_at = 0.0
+        self.health = Health()
+
+    @property
+    def batches(self) -> int:
+        return self.health.batches
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
 
     def _open(self) -> Consumer:
-        base: dict[str, Any] = {"bootstrap.servers": self._settings.bootstrap_servers}
         consumer = Consumer(
             {
-                **base,
-                "group.id": self._config.consumer_name,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                "enable.partition.eof": False,
+                **consumer_config(
+                    self._settings,
+                    group_id=self._config.consumer_name,
+                    client_id="opledger-projector",
+                ),
                 "fetch.wait.max.ms": 20,
                 "queued.max.messages.kbytes": 65536,
+                "error_cb": self._on_client_error,
             }
         )
         self._dlq = Producer(
             {
-                **base,
-                "enable.idempotence": True,
-                "acks": "all",
+                **producer_config(
+                    self._settings, client_id="opledger-projector-dlq", delivery_timeout_s=30.0
+                ),
                 "linger.ms": 5,
-                "partitioner": "murmur2_random",
+                "error_cb": self._on_client_error,
             }
         )
         metadata = consumer.list_topics(timeout=10)
@@ -171,16 +267,36 @@ class BatchProjector:
         )
         return consumer
 
+    def _open_patiently(self) -> Consumer:
+        """:meth:`_open`, waiting out a broker or database that is not up yet."""
+        while True:
+            try:
+                return self._open()
+            except (KafkaException, SinkUnavailableError) as exc:
+                self._close_clients()
+                if self._stopping.is_set():
+                    raise ProjectorError("stopped before the projector could start") from exc
+                self.health.stalled(f"starting: {exc}")
+                log.warning("projector cannot start yet (%s); retrying", exc)
+                self._wait_backoff()
+                if isinstance(exc, SinkUnavailableError):
+                    self._try_reconnect()
+
     def run(self, max_batches: int | None = None) -> None:
         """Poll, fold and commit until :meth:`stop` (or ``max_batches``, for tests)."""
-        self._consumer = self._open()
+        self._consumer = self._open_patiently()
         try:
-            while not self._stopping and (max_batches is None or self.batches < max_batches):
+            while not self._stopping.is_set() and (
+                max_batches is None or self.batches < max_batches
+            ):
                 self.run_once()
         finally:
             self.close()
 
     def close(self) -> None:
+        self._close_clients()
+
+    def _close_clients(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
@@ -188,55 +304,297 @@ class BatchProjector:
             self._dlq.flush(10)
             self._dlq = None
 
+    # -- the loop ---------------------------------------------------------------------------------
+
     def run_once(self) -> ProjectionReport | None:
+        """One batch: read (or take the batch a failure left pending), fold, commit."""
         assert self._consumer is not None, "run() opens the consumer"
-        messages = self._consumer.consume(self._config.batch_size, self._config.poll_timeout_s)
-        self._report_lag()
-        self._report_open_ages()
-        if not messages:
+        if self._pending is None:
+            messages = self._consumer.consume(self._config.batch_size, self._config.poll_timeout_s)
+            self._report_lag()
+            self._report_open_ages()
+            reads = self._decode(messages)
+            if not reads:
+                self._check_kafka()
+                return None
+            self._pending = reads
+        try:
+            report = self._project_reads(self._pending)
+        except (SinkUnavailableError, KafkaException, _DeadLetterUnavailableError) as exc:
+            self.health.stalled(f"{type(exc).__name__}: {exc}")
+            log.warning("projection paused, will retry the same batch: %s", exc)
+            self._wait_backoff()
+            if isinstance(exc, SinkUnavailableError):
+                self._try_reconnect()
             return None
-        started = time.perf_counter()
-        events: list[SourcedEvent] = []
-        dead: list[DeadLetter] = []
-        next_offsets: dict[tuple[str, int], int] = {}
+        self._pending = None
+        self._published.clear()
+        self._backoff_s = 0.0
+        self._kafka_down = None
+        self.health.ok(batches=1)
+        return report
+
+    def _decode(self, messages: Sequence[Any]) -> list[_Read]:
+        reads: list[_Read] = []
         for message in messages:
             error = message.error()
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise ProjectorError(f"consume failed: {error}")
+                if error.fatal():
+                    raise ProjectorError(f"fatal consumer error: {error}")
+                # Transport trouble and the like are retried by librdkafka itself.
+                log.warning("consume: %s", error)
+                continue
             topic, partition, offset = message.topic(), message.partition(), message.offset()
             if topic is None or partition is None or offset is None:
                 raise ProjectorError("consumed a record without coordinates")
             _, timestamp_ms = message.timestamp()
+            key, value = message.key(), message.value()
             item = classify(
                 self._codec,
                 topic=topic,
                 partition=partition,
                 offset=offset,
-                key=message.key(),
-                value=message.value(),
+                key=key,
+                value=value,
                 timestamp_ms=timestamp_ms,
             )
-            if isinstance(item, SourcedEvent):
-                events.append(item)
+            reads.append(_Read(item, key, value))
+        return reads
+
+    def _project_reads(self, reads: list[_Read]) -> ProjectionReport:
+        """Commit ``reads`` in as few transactions as the sink accepts.
+
+        A refused batch is split in halves (each half is a consistent cut: records keep their
+        per-partition order) until the refused record is alone; it is then dead-lettered with the
+        sink's reason, and everything else commits.
+        """
+        total = ProjectionReport()
+        rewound: dict[tuple[str, int], int] = {}
+        queue: deque[list[_Read]] = deque([reads])
+        while queue:
+            part = [r for r in queue.popleft() if not _behind_rewind(r, rewound)]
+            if not part:
+                continue
+            try:
+                report = self._commit(part)
+            except RecordRefusedError as exc:
+                if len(part) > 1:
+                    middle = len(part) // 2
+                    queue.appendleft(part[middle:])
+                    queue.appendleft(part[:middle])
+                    continue
+                report = self._isolate(part[0], str(exc))
+            _merge(total, report)
+            rewound.update(report.rewind)
+        for (topic, partition), offset in rewound.items():
+            # Deliveries whose execution is not projected yet: read them again after it is.
+            assert self._consumer is not None
+            self._consumer.seek(TopicPartition(topic, partition, offset))
+            self._positions[(topic, partition)] = offset
+        return total
+
+    def _isolate(self, read: _Read, reason: str) -> ProjectionReport:
+        """Dead-letter the one record the sink refused, and commit that (with its offset)."""
+        c = read.coordinates
+        log.error(
+            "the database refused %s[%d]@%d; dead-lettering it: %s",
+            c.topic,
+            c.partition,
+            c.offset,
+            reason,
+        )
+        dead = DeadLetter(
+            c,
+            f"refused by the projection database: {reason}",
+            read.key,
+            read.value,
+            read.item.timestamp_ms,
+        )
+        try:
+            return self._commit([_Read(dead, read.key, read.value)])
+        except RecordRefusedError as exc:
+            # Even a dead-letter row cannot be stored: the database itself is the problem
+            # (a missing table, a broken migration), not this record. Stop rather than
+            # dead-letter everything that follows.
+            raise ProjectorError(f"cannot store a dead letter either: {exc}") from exc
+
+    def _commit(self, part: list[_Read]) -> ProjectionReport:
+        started = time.perf_counter()
+        events: list[SourcedEvent] = []
+        dead: list[DeadLetter] = []
+        next_offsets: dict[tuple[str, int], int] = {}
+        for read in part:
+            if isinstance(read.item, SourcedEvent):
+                events.append(read.item)
             else:
-                dead.append(item)
-            next_offsets[(topic, partition)] = offset + 1
+                dead.append(read.item)
+            c = read.coordinates
+            next_offsets[(c.topic, c.partition)] = c.offset + 1
         if dead:
-            self._publish_dead_letters(dead)
-        batch = ProjectionBatch(events, dead, next_offsets)
+            dead = self._publish_dead_letters(dead)
+        batch = ProjectionBatch(
+            events,
+            dead,
+            next_offsets,
+            execution_topic=self._config.execution_topic,
+            execution_end=self._execution_end,
+        )
         fault_point("projector.before_commit")
         report = self._sink.project(self._config.consumer_name, batch)
         fault_point("projector.after_commit")
-        self._consumer.commit(
-            offsets=[TopicPartition(t, p, n) for (t, p), n in next_offsets.items()],
-            asynchronous=True,
-        )
-        self.batches += 1
-        self._positions.update(next_offsets)
+        committed = {k: report.rewind.get(k, n) for k, n in next_offsets.items()}
+        assert self._consumer is not None
+        try:
+            self._consumer.commit(
+                offsets=[TopicPartition(t, p, n) for (t, p), n in committed.items()],
+                asynchronous=True,
+            )
+        except KafkaException as exc:  # informational offsets only; PostgreSQL holds the truth
+            log.debug("kafka offset commit skipped: %s", exc)
+        self._positions.update(committed)
         self._observe(report, batch, time.perf_counter() - started)
         return report
+
+    def _execution_end(self, partition: int) -> int:
+        """The execution topic's current end offset for ``partition`` (one broker round trip,
+        asked only for a delivery whose execution is not projected)."""
+        assert self._consumer is not None
+        _low, high = self._consumer.get_watermark_offsets(
+            TopicPartition(self._config.execution_topic, partition), timeout=10, cached=False
+        )
+        return int(high)
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        if err.code() in _UNREACHABLE:
+            if self._kafka_down is None:
+                log.warning("kafka broker unreachable: %s", err.str())
+            self._kafka_down = err
+            self.health.stalled(f"Kafka broker unreachable: {err.str()}")
+
+    def _check_kafka(self, every_s: float = 2.0) -> None:
+        """While the broker was last seen down, ask it for metadata now and then; an answer means
+        the projector can progress again (an idle consume cannot tell down from quiet)."""
+        if self._kafka_down is None or self._consumer is None:
+            return
+        now = time.monotonic()
+        if now - self._kafka_checked_at < every_s:
+            return
+        self._kafka_checked_at = now
+        try:
+            self._consumer.list_topics(timeout=1)
+        except KafkaException:
+            return
+        log.info("kafka broker reachable again")
+        self._kafka_down = None
+        self.health.ok()
+
+    def _wait_backoff(self) -> None:
+        self._backoff_s = min(max(self._backoff_s * 2, 0.1), self._max_backoff_s)
+        self._stopping.wait(self._backoff_s)
+
+    def _try_reconnect(self) -> None:
+        reconnect = getattr(self._sink, "reconnect", None)
+        if reconnect is None:
+            return
+        try:
+            reconnect()
+        except SinkUnavailableError as exc:
+            log.warning("still cannot reach the projection database: %s", exc)
+
+    # -- dead letters ---------------------------------------------------------------------------
+
+    def _publish_dead_letters(self, dead: list[DeadLetter]) -> list[DeadLetter]:
+        """Send dead letters to the dead-letter topic and wait for the broker's ack; returns them
+        as stored (an oversized one becomes a reference).
+
+        This happens before the projection commit: a crash in between re-sends them on
+        redelivery (the dead-letter topic is at-least-once; its headers carry the source
+        coordinates, which identify repeats), but a poison record is never lost.
+        """
+        assert self._dlq is not None
+        failures: list[tuple[int, KafkaError]] = []
+        stored: list[DeadLetter] = []
+        for index, letter in enumerate(dead):
+            if letter.coordinates in self._published:
+                stored.append(letter)
+                continue
+            size = len(letter.key or b"") + len(letter.value or b"")
+            outgoing = _by_reference(letter) if size > DLQ_INLINE_LIMIT else letter
+            stored.append(self._produce_dead_letter(outgoing, index, failures))
+        remaining = self._dlq.flush(30)
+        retry: list[tuple[int, KafkaError]] = []
+        for index, err in failures:
+            if err.code() in _TOO_LARGE and not stored[index].by_reference:
+                # The broker's or topic's limit is lower than we assumed: send a reference.
+                stored[index] = self._produce_dead_letter(
+                    _by_reference(stored[index]), index, retry
+                )
+            else:
+                retry.append((index, err))
+        if failures:
+            remaining = self._dlq.flush(30)
+        if remaining or retry:
+            reasons = sorted({err.str() for _, err in retry}) or [f"{remaining} unacknowledged"]
+            raise _DeadLetterUnavailableError(f"dead-letter publish failed: {'; '.join(reasons)}")
+        for item in stored:
+            c = item.coordinates
+            if c not in self._published:
+                self._published.add(c)
+                self._metrics.dead_letters.labels(c.topic).inc()
+                log.warning(
+                    "dead-lettered %s[%d]@%d%s: %s",
+                    c.topic,
+                    c.partition,
+                    c.offset,
+                    " (by reference)" if item.by_reference else "",
+                    item.reason,
+                )
+        return stored
+
+    def _produce_dead_letter(
+        self, item: DeadLetter, index: int, failures: list[tuple[int, KafkaError]]
+    ) -> DeadLetter:
+        """Produce ``item`` (or, if the client refuses its size, a reference to it); returns
+        what was produced. Failures reported by the broker land in ``failures``."""
+        assert self._dlq is not None
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                failures.append((index, err))
+
+        c = item.coordinates
+        while True:
+            headers: list[tuple[str, str | bytes | None]] = [
+                ("opledger-dlq-reason", item.reason.encode("utf-8", "backslashreplace")[:4000]),
+                ("opledger-source-topic", c.topic.encode()),
+                ("opledger-source-partition", str(c.partition).encode()),
+                ("opledger-source-offset", str(c.offset).encode()),
+                ("opledger-source-timestamp-ms", str(item.timestamp_ms).encode()),
+            ]
+            if item.by_reference:
+                headers.append(("opledger-dlq-by-reference", b"1"))
+            try:
+                self._dlq.produce(
+                    self._config.dead_letter_topic,
+                    key=item.key,
+                    value=item.value,
+                    headers=headers,
+                    on_delivery=on_delivery,
+                )
+                return item
+            except BufferError:
+                self._dlq.poll(0.05)
+            except KafkaException as exc:  # refused locally (too large for the client)
+                if item.by_reference:
+                    raise
+                log.warning("dead letter refused by the producer (%s); sending a reference", exc)
+                item = _by_reference(item)
+
+    # -- metrics ----------------------------------------------------------------------------------
 
     def _report_open_ages(self, every_s: float = 5.0) -> None:
         """Refresh the oldest-unfinished-work gauges from the projections."""
@@ -244,7 +602,11 @@ class BatchProjector:
         if now - self._ages_reported_at < every_s:
             return
         self._ages_reported_at = now
-        ages = self._sink.open_ages()
+        try:
+            ages = self._sink.open_ages()
+        except Exception as exc:  # a gauge refresh must never stop the projector
+            log.debug("open ages not refreshed: %s", exc)
+            return
         executions = self._metrics.execution_oldest_age_seconds
         deliveries = self._metrics.delivery_oldest_age_seconds
         # Cleared first: a state that emptied must disappear, not keep its last age.
@@ -274,41 +636,6 @@ class BatchProjector:
         for topic, records in lag.items():
             self._metrics.projector_lag_records.labels(topic).set(records)
 
-    def _publish_dead_letters(self, dead: list[DeadLetter]) -> None:
-        """Send undecodable records to the dead-letter topic and wait for the broker's ack.
-
-        This happens before the projection commit: a crash in between re-sends them on
-        redelivery (the dead-letter topic is at-least-once; its headers carry the source
-        coordinates, which identify repeats), but a poison record is never lost.
-        """
-        assert self._dlq is not None
-        failures: list[str] = []
-
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-            if err is not None:
-                failures.append(str(err))
-
-        for item in dead:
-            c = item.coordinates
-            self._dlq.produce(
-                self._config.dead_letter_topic,
-                key=item.key,
-                value=item.value,
-                headers=[
-                    ("opledger-dlq-reason", item.reason.encode()),
-                    ("opledger-source-topic", c.topic.encode()),
-                    ("opledger-source-partition", str(c.partition).encode()),
-                    ("opledger-source-offset", str(c.offset).encode()),
-                    ("opledger-source-timestamp-ms", str(item.timestamp_ms).encode()),
-                ],
-                on_delivery=on_delivery,
-            )
-            self._metrics.dead_letters.labels(c.topic).inc()
-            log.warning("dead-lettered %s[%d]@%d: %s", c.topic, c.partition, c.offset, item.reason)
-        remaining = self._dlq.flush(30)
-        if remaining or failures:
-            raise KafkaException(f"dead-letter publish failed: {failures or remaining}")
-
     def _observe(self, report: ProjectionReport, batch: ProjectionBatch, seconds: float) -> None:
         m = self._metrics
         m.projector_batch_seconds.observe(seconds)
@@ -329,3 +656,44 @@ class BatchProjector:
             observe(lag if lag > 0.0 else 0.0)
         if report.anomalies["execution"] or report.anomalies["delivery"]:
             log.warning("batch stored %s anomalies", report.anomalies)
+
+
+def _by_reference(item: DeadLetter) -> DeadLetter:
+    """A dead letter that points at its record instead of carrying it."""
+    value = item.value or b""
+    c = item.coordinates
+    reference = {
+        "by_reference": True,
+        "source": {"topic": c.topic, "partition": c.partition, "offset": c.offset},
+        "size_bytes": len(value),
+        "key_size_bytes": len(item.key or b""),
+        "sha256": hashlib.sha256(value).hexdigest(),
+        "prefix_base64": base64.b64encode(value[:DLQ_PREFIX_BYTES]).decode(),
+        "reason": item.reason,
+    }
+    key = item.key if item.key is None or len(item.key) <= 1024 else item.key[:1024]
+    return DeadLetter(
+        c,
+        item.reason,
+        key,
+        json.dumps(reference, sort_keys=True).encode(),
+        item.timestamp_ms,
+        by_reference=True,
+        size_bytes=len(value),
+    )
+
+
+def _behind_rewind(read: _Read, rewound: dict[tuple[str, int], int]) -> bool:
+    c = read.coordinates
+    offset = rewound.get((c.topic, c.partition))
+    return offset is not None and c.offset >= offset
+
+
+def _merge(total: ProjectionReport, report: ProjectionReport) -> None:
+    for machine in _MACHINES:
+        total.applied[machine] += report.applied[machine]
+        total.duplicates[machine] += report.duplicates[machine]
+        total.anomalies[machine] += report.anomalies[machine]
+    total.dead_letters += report.dead_letters
+    total.skipped_redelivered += report.skipped_redelivered
+    total.rewind.update(report.rewind)

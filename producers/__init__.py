@@ -15,10 +15,13 @@ carry only their ``sha256:`` reference.
         recorder.delivery_pending(op, "https://hooks.example.com/events")
 """
 
+from ledger.kafka import producer_config
+from producers.aio import AsyncTransitionRecorder
 from producers.errors import (
     DeliveryError,
     DeliveryTimeoutError,
     IllegalTransitionError,
+    InDoubtError,
     InvalidTransitionError,
     RecordError,
     ResultStoreError,
@@ -31,15 +34,16 @@ from producers.transport import (
     KafkaTransport,
     OutgoingRecord,
     Transport,
-    producer_config,
 )
 
 __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",
     "MAX_RESULT_BYTES",
+    "AsyncTransitionRecorder",
     "DeliveryError",
     "DeliveryTimeoutError",
     "IllegalTransitionError",
+    "InDoubtError",
     "InvalidTransitionError",
     "KafkaTransport",
     "OperationState",

@@ -3,6 +3,11 @@ catch one type around "record, then acknowledge my job" and know nothing was ack
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from producers.operation import TrackedOperation
+
 
 class RecordError(Exception):
     """A transition was not recorded (or its outcome is unknown); do not acknowledge the job."""
@@ -21,20 +26,43 @@ class InvalidTransitionError(RecordError, ValueError):
 
 
 class DeliveryError(RecordError):
-    """The broker refused or never acknowledged a record.
+    """The broker refused or never acknowledged a record: its outcome is unknown.
 
     ``kafka_error`` is the first ``confluent_kafka.KafkaError`` reported (``None`` when the SDK
-    gave up waiting before librdkafka reported anything).
+    gave up waiting before librdkafka reported anything). ``handles`` holds, by operation id,
+    every handle whose append failed; each is now *in doubt* and accepts only
+    ``recorder.resend(handle)``.
     """
 
     def __init__(self, message: str, kafka_error: object | None = None) -> None:
         super().__init__(message)
         self.kafka_error = kafka_error
+        self.handles: dict[str, TrackedOperation] = {}
+
+    @property
+    def handle(self) -> TrackedOperation:
+        """The one in-doubt handle of a single-operation call."""
+        if len(self.handles) != 1:
+            raise ValueError(f"{len(self.handles)} handles are in doubt; use .handles")
+        return next(iter(self.handles.values()))
 
 
 class DeliveryTimeoutError(DeliveryError):
     """No acknowledgement within the delivery timeout. The record may still have been written:
-    the outcome is unknown, so retry the same call (the fold makes a repeat harmless)."""
+    the outcome is unknown, so resend the same event (``recorder.resend(handle)``); a repeat is
+    recognised by its event id and harmless."""
+
+
+class InDoubtError(RecordError):
+    """The handle's last append may or may not be recorded; only resending it is allowed.
+
+    Resending the identical event is safe (a repeat is recognised by its event id); any other
+    step could contradict what is already on the topic, so the recorder refuses it.
+    """
+
+    def __init__(self, message: str, handle: Any) -> None:
+        super().__init__(message)
+        self.handle = handle
 
 
 class ResultStoreError(RecordError):

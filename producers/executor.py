@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ledger.domain.ids import idempotency_key
 from ledger.domain.states import DeliveryState, ExecutionState
@@ -173,23 +173,32 @@ class Executor:
             self._sleep(delay.total_seconds())
 
     def _record(self, step: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Take one recording step, retrying it when the broker's acknowledgement timed out.
+        """Take one recording step; when the broker's acknowledgement timed out, resend the very
+        same event (same event id) until it is acknowledged or the retries run out.
 
-        The record may well be durable already (the ack, not the write, was lost): the retry
-        then appends the same (operation, state, attempt) again, which the projector recognises
-        and counts as a duplicate, never applying it twice. This is what a service retrying its
-        own call does, and why a repeated transition is not an anomaly.
+        The record may well be durable already (the ack, not the write, was lost): the repeat is
+        then recognised by its event id and counted as a duplicate, never applied twice. A new
+        event built instead could contradict what is already written, so the handle refuses it.
         """
+        try:
+            return step(*args, **kwargs)
+        except DeliveryTimeoutError as exc:
+            failure = exc
         for attempt in range(self._record_retries):
+            log.info(
+                "acknowledgement timed out (%s, try %d); resending the same event",
+                getattr(step, "__name__", "step"),
+                attempt + 1,
+            )
+            handle = failure.handle
             try:
-                return step(*args, **kwargs)
-            except DeliveryTimeoutError:
-                log.info(
-                    "acknowledgement timed out (%s, try %d); retrying the append",
-                    getattr(step, "__name__", "step"),
-                    attempt + 1,
-                )
-        return step(*args, **kwargs)
+                self._recorder.resend(handle)
+            except DeliveryTimeoutError as exc:
+                failure = exc
+                continue
+            # intent() returns the new handle; every other step returns True once recorded.
+            return cast(T, handle if step == self._recorder.intent else True)
+        raise failure
 
     @staticmethod
     def _report(handle: TrackedOperation, state: ExecutionState, calls: int) -> ExecutionReport:

@@ -8,11 +8,13 @@ so a handle never claims a transition the broker has not acknowledged.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
+from typing import Any
 
 from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.fold import (
@@ -25,7 +27,7 @@ from ledger.domain.fold import (
     apply_execution,
 )
 from ledger.domain.states import DeliveryState, ExecutionState
-from producers.errors import IllegalTransitionError
+from producers.errors import IllegalTransitionError, InvalidTransitionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +55,10 @@ def advance(state: OperationState, event: Transition) -> OperationState | None:
             return OperationState(state.operation_id, outcome.record, state.deliveries)
         _refuse_unless_duplicate(outcome)
         return None
-    current = state.deliveries.get(event.destination)
-    execution = state.execution
-    if current is None and execution is not None and event.tenant_id != execution.tenant_id:
-        # The delivery fold starts a destination from nothing and cannot see the tenant of
-        # the execution it belongs to; check here so no tenant is handed another's result.
-        raise IllegalTransitionError(
-            f"delivery tenant {event.tenant_id} differs from the execution's {execution.tenant_id}"
-        )
-    delivery = apply_delivery(current, event)
+    # The execution travels with the delivery fold: a delivery belongs to a SUCCEEDED execution
+    # of the same tenant (ledger.domain.fold.delivery_refusal), so a handle that does not know
+    # the execution cannot record a delivery, whichever API built the event.
+    delivery = apply_delivery(state.deliveries.get(event.destination), event, state.execution)
     if isinstance(delivery, Applied):
         deliveries = dict(state.deliveries)
         deliveries[event.destination] = delivery.record
@@ -100,18 +97,32 @@ def next_delivery_attempt(current: DeliveryRecord | None, state: DeliveryState) 
     return current.attempts
 
 
+@dataclass(frozen=True, slots=True)
+class InDoubt:
+    """Appends whose outcome is unknown (their acknowledgement failed or timed out): the exact
+    records to send again, and the state the handle moves to once they are acknowledged."""
+
+    events: tuple[Transition, ...]
+    records: tuple[Any, ...]
+    advanced: OperationState
+
+
 class TrackedOperation:
     """One operation's execution and deliveries as known to this process (the SDK's handle).
 
     Mutated only by the recorder, after the broker acknowledged the event; a lock serialises
     the recorder's calls on one handle so two threads cannot both claim the same next attempt.
+    After a failed or timed-out append the handle is *in doubt*: it keeps the unacknowledged
+    events, and the only step allowed is sending those identical events again.
     """
 
-    __slots__ = ("_lock", "_state")
+    __slots__ = ("_async_lock", "_in_doubt", "_lock", "_state")
 
     def __init__(self, state: OperationState) -> None:
         self._state = state
         self._lock = threading.Lock()
+        self._async_lock: asyncio.Lock | None = None
+        self._in_doubt: InDoubt | None = None
 
     @classmethod
     def from_records(
@@ -154,6 +165,19 @@ class TrackedOperation:
         """Held by the recorder from building an event until its new state is committed."""
         return self._lock
 
+    @property
+    def async_lock(self) -> asyncio.Lock:
+        """The asyncio recorder's counterpart of :attr:`lock` (a threading lock cannot be held
+        across an ``await`` without blocking the event loop)."""
+        if self._async_lock is None:
+            self._async_lock = asyncio.Lock()
+        return self._async_lock
+
+    @property
+    def in_doubt(self) -> InDoubt | None:
+        """The unacknowledged appends, if the last one failed; None when the handle is settled."""
+        return self._in_doubt
+
     def require_execution(self) -> ExecutionRecord:
         """The execution record, or IllegalTransitionError if the intent is not recorded."""
         if self._state.execution is None:
@@ -167,12 +191,20 @@ class TrackedOperation:
         if state.operation_id != self.operation_id:
             raise ValueError("cannot commit another operation's state")
         self._state = state
+        self._in_doubt = None
+
+    def doubt(self, in_doubt: InDoubt) -> None:
+        """Remember appends whose outcome is unknown (the recorder calls this on failure)."""
+        if in_doubt.advanced.operation_id != self.operation_id:
+            raise ValueError("cannot doubt another operation's appends")
+        self._in_doubt = in_doubt
 
     def __repr__(self) -> str:
         execution = self._state.execution
         where = "no execution" if execution is None else f"{execution.state}#{execution.attempt}"
         deliveries = {d: f"{r.state}#{r.attempts}" for d, r in self._state.deliveries.items()}
-        return f"TrackedOperation({self.operation_id}, {where}, deliveries={deliveries})"
+        doubt = "" if self._in_doubt is None else f", in doubt: {len(self._in_doubt.events)}"
+        return f"TrackedOperation({self.operation_id}, {where}, deliveries={deliveries}{doubt})"
 
 
 def delivery_result_ref(state: OperationState) -> str | None:
@@ -180,8 +212,12 @@ def delivery_result_ref(state: OperationState) -> str | None:
     return None if state.execution is None else state.execution.result_ref
 
 
-def as_aware(value: datetime) -> datetime:
+def as_aware(value: datetime, name: str = "next_attempt_at") -> datetime:
     """Refuse naive datetimes early with a clear message (events need aware timestamps)."""
+    if not isinstance(value, datetime):
+        raise InvalidTransitionError(f"{name} must be a datetime, got {type(value).__name__}")
     if value.tzinfo is None:
-        raise ValueError("next_attempt_at must be timezone-aware")
+        raise InvalidTransitionError(
+            f"{name} must be timezone-aware (e.g. datetime.now(UTC)); nothing was sent"
+        )
     return value

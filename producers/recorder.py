@@ -4,6 +4,17 @@ Every call builds the next event, folds it with the domain rules *before* anythi
 (an illegal transition raises and writes nothing; a repeat returns without a second record),
 appends it keyed by ``operation_id`` and returns only after the broker acknowledged it. A worker
 that records and then acknowledges its own job therefore never acknowledges an unrecorded step.
+
+When an append fails or its acknowledgement times out, the record may or may not be on the topic.
+The handle is then *in doubt*: it keeps the exact event, and the only call it accepts is
+:meth:`TransitionRecorder.resend`, which sends that identical event (same ``event_id``) again
+until the broker acknowledges it. A repeat that did land first is a duplicate the projector
+recognises by its event id; a *different* next step built on a guess could contradict what is
+already written, so it is refused.
+
+:class:`TransitionRecorder` is safe to share between threads (one producer and one connection
+pool serve them all; each call waits only for its own acknowledgement). ``producers.aio`` has the
+asyncio twin; both share the planning code here.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
@@ -35,8 +47,15 @@ from ledger.domain.states import (
 from ledger.faults import fault_point
 from ledger.metrics import Metrics
 from ledger.settings import Settings
-from producers.errors import IllegalTransitionError, InvalidTransitionError, RecordError
+from producers.errors import (
+    DeliveryError,
+    IllegalTransitionError,
+    InDoubtError,
+    InvalidTransitionError,
+    RecordError,
+)
 from producers.operation import (
+    InDoubt,
     OperationState,
     TrackedOperation,
     advance,
@@ -71,11 +90,329 @@ def clean_error(error: str | BaseException) -> str:
     return redact(text)[:MAX_ERROR_LENGTH]
 
 
-class TransitionRecorder:
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What one call appends for one operation."""
+
+    handle: TrackedOperation
+    pending: InDoubt
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything one call will do, decided before any I/O: the payload to store first (tenant,
+    bytes, content type), then the records to append, per handle."""
+
+    parts: tuple[_Part, ...]
+    payload: tuple[str, bytes, str] | None = None
+
+    @property
+    def records(self) -> list[OutgoingRecord]:
+        return [record for part in self.parts for record in part.pending.records]
+
+
+class RecorderCore:
+    """The planning half of a recorder, shared by the threaded and the asyncio one: building
+    events, folding them onto handles, and settling handles after the I/O succeeded or failed.
+    No I/O happens here."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock_ns: Clock = time.time_ns,
+        entropy: Entropy = os.urandom,
+        codec: Codec | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._settings = settings
+        self._clock_ns = clock_ns
+        self._entropy = entropy
+        self._codec = codec or default_codec()
+        self._metrics = metrics
+        self._execution_topic = settings.execution_topic
+        self._delivery_topic = settings.delivery_topic
+
+    def new_operation_id(self) -> str:
+        """A fresh ``op_`` ULID from this recorder's clock and entropy."""
+        return ids.operation_id(self._clock_ns() // 1_000_000, self._entropy(10))
+
+    # -- planners (called with the handles' locks held) ---------------------------------------
+
+    def _plan_intent(
+        self,
+        handle: TrackedOperation,
+        tenant_id: str,
+        actor_id: str,
+        tool_name: str,
+        arguments: Any,
+    ) -> Plan | None:
+        try:
+            request_hash = ids.request_hash(tool_name, arguments)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTransitionError(
+                f"arguments are not canonical JSON ({exc}): pass JSON-serialisable values "
+                "without NaN or infinity; nothing was sent"
+            ) from exc
+        event = self._build(
+            ExecutionTransitioned,
+            operation_id=handle.operation_id,
+            tenant_id=tenant_id,
+            actor_id=actor_id,
+            attempt=0,
+            state=ExecutionState.INTENT_RECORDED,
+            tool_name=tool_name,
+            request_hash=request_hash,
+        )
+        return self._plan_events(handle, [event])
+
+    def _plan_execution(
+        self,
+        handle: TrackedOperation,
+        state: ExecutionState,
+        actor_id: str | None,
+        *,
+        provider_ref: str | None = None,
+        result: bytes | str | None = None,
+        error: str | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> Plan | None:
+        _require_settled(handle)
+        current = handle.require_execution()
+        if state is not current.state and state not in EXECUTION_TRANSITIONS[current.state]:
+            # Checked before the event is built: the event model would otherwise refuse the
+            # attempt number first, with a less useful message than the table's.
+            raise IllegalTransitionError(
+                f"illegal execution transition {current.state} -> {state}; nothing was sent"
+            )
+        payload: tuple[str, bytes, str] | None = None
+        result_ref: str | None = None
+        if isinstance(result, bytes | bytearray | memoryview):
+            payload = (current.tenant_id, bytes(result), content_type)
+            result_ref = ids.content_ref(bytes(result))
+        elif result is not None:
+            result_ref = result
+        if (
+            state is ExecutionState.SUCCEEDED
+            and current.state is ExecutionState.SUCCEEDED
+            and result_ref != current.result_ref
+        ):
+            # The fold would call this a duplicate and silently keep the first result.
+            raise IllegalTransitionError(
+                f"{current.operation_id} already SUCCEEDED with {current.result_ref}; "
+                "nothing was sent"
+            )
+        event = self._build(
+            ExecutionTransitioned,
+            operation_id=current.operation_id,
+            tenant_id=current.tenant_id,
+            actor_id=actor_id or current.actor_id,
+            attempt=next_execution_attempt(current, state),
+            state=state,
+            tool_name=current.tool_name,
+            request_hash=current.request_hash,
+            provider_ref=provider_ref,
+            result_ref=result_ref,
+            error=error,
+        )
+        plan = self._plan_events(handle, [event])
+        if plan is None:
+            return None
+        return Plan(plan.parts, payload)
+
+    def _plan_delivery(
+        self,
+        handle: TrackedOperation,
+        destination: str,
+        state: DeliveryState,
+        actor_id: str | None,
+        *,
+        attempt: int | None = None,
+        next_attempt_at: datetime | None = None,
+        error: str | None = None,
+    ) -> Plan | None:
+        _require_settled(handle)
+        snapshot = handle.state
+        current = snapshot.deliveries.get(destination)
+        if (
+            current is not None
+            and state is not current.state
+            and state not in DELIVERY_TRANSITIONS[current.state]
+        ):
+            raise IllegalTransitionError(
+                f"illegal delivery transition {current.state} -> {state} ({destination}); "
+                "nothing was sent"
+            )
+        execution = snapshot.execution
+        if execution is None:
+            raise IllegalTransitionError(
+                f"{handle.operation_id}: its execution is not known to this handle, so a "
+                f"delivery to {destination} cannot be checked against it; record or load the "
+                "operation first. Nothing was sent"
+            )
+        event = self._build(
+            DeliveryTransitioned,
+            operation_id=handle.operation_id,
+            tenant_id=execution.tenant_id,
+            actor_id=actor_id or execution.actor_id,
+            attempt=next_delivery_attempt(current, state) if attempt is None else attempt,
+            destination=destination,
+            state=state,
+            result_ref=delivery_result_ref(snapshot),
+            next_attempt_at=next_attempt_at,
+            error=error,
+        )
+        return self._plan_events(handle, [event])
+
+    def _plan_events(self, handle: TrackedOperation, events: Sequence[Transition]) -> Plan | None:
+        """Fold ``events`` onto ``handle``'s state; None when every one is a repeat."""
+        _require_settled(handle)
+        state = handle.state
+        sent: list[Transition] = []
+        for event in events:
+            advanced = advance(state, event)
+            if advanced is not None:
+                state = advanced
+                sent.append(event)
+        if not sent:
+            return None
+        records = tuple(self._outgoing(e) for e in sent)
+        return Plan((_Part(handle, InDoubt(tuple(sent), records, state)),))
+
+    def _plan_append(
+        self, events: Sequence[Transition], handles: dict[str, TrackedOperation]
+    ) -> Plan | None:
+        working: dict[str, OperationState] = {}
+        sent: dict[str, list[Transition]] = {}
+        for index, event in enumerate(events):
+            if not isinstance(event, ExecutionTransitioned | DeliveryTransitioned):
+                raise InvalidTransitionError(
+                    f"event {index} is a {type(event).__name__}, not a transition; nothing was sent"
+                )
+            operation_id = event.operation_id
+            state = working.get(operation_id)
+            if state is None:
+                handle = handles.get(operation_id)
+                if handle is not None:
+                    _require_settled(handle)
+                state = handle.state if handle else OperationState(operation_id)
+            try:
+                advanced = advance(state, event)
+            except IllegalTransitionError as exc:
+                raise IllegalTransitionError(
+                    f"event {index} ({event.event_id}): {exc.reason}; nothing was sent"
+                ) from None
+            if advanced is not None:
+                working[operation_id] = advanced
+                sent.setdefault(operation_id, []).append(event)
+        if not sent:
+            return None
+        parts = []
+        for operation_id, group in sent.items():
+            handle = handles.get(operation_id) or TrackedOperation.unknown(operation_id)
+            records = tuple(self._outgoing(e) for e in group)
+            parts.append(_Part(handle, InDoubt(tuple(group), records, working[operation_id])))
+        return Plan(tuple(parts))
+
+    @staticmethod
+    def _plan_resend(handle: TrackedOperation) -> Plan | None:
+        pending = handle.in_doubt
+        if pending is None:
+            return None
+        return Plan((_Part(handle, pending),))
+
+    # -- settling ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _settle(plan: Plan) -> None:
+        for part in plan.parts:
+            part.handle.commit(part.pending.advanced)
+
+    @staticmethod
+    def _doubt(plan: Plan, error: RecordError) -> RecordError:
+        """Mark every handle of ``plan`` in doubt and attach them to ``error``."""
+        for part in plan.parts:
+            part.handle.doubt(part.pending)
+        if isinstance(error, DeliveryError):
+            error.handles = {p.handle.operation_id: p.handle for p in plan.parts}
+        return error
+
+    def _observe(self, records: Sequence[OutgoingRecord], seconds: float) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.append_seconds.observe(seconds)
+        executions = sum(1 for r in records if r.topic == self._execution_topic)
+        if executions:
+            self._metrics.records_appended.labels(machine="execution").inc(executions)
+        if len(records) - executions:
+            self._metrics.records_appended.labels(machine="delivery").inc(len(records) - executions)
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _build(
+        self,
+        model: type[ExecutionTransitioned] | type[DeliveryTransitioned],
+        **fields: Any,
+    ) -> Transition:
+        now_ns = self._clock_ns()
+        try:
+            return model(
+                event_id=ids.event_id(now_ns // 1_000_000, self._entropy(10)),
+                occurred_at=_EPOCH + timedelta(microseconds=now_ns // 1000),
+                **fields,
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
+            )
+            raise InvalidTransitionError(
+                f"invalid {model.__name__} ({problems}): fix the arguments; nothing was sent"
+            ) from None
+
+    def _outgoing(self, event: Transition) -> OutgoingRecord:
+        if isinstance(event, ExecutionTransitioned):
+            topic, schema = self._execution_topic, _EXECUTION_SCHEMA
+        else:
+            topic, schema = self._delivery_topic, _DELIVERY_SCHEMA
+        return OutgoingRecord(
+            topic,
+            event.operation_id.encode("ascii"),
+            self._codec.encode(event),
+            [(SCHEMA_HEADER, schema), (TENANT_HEADER, event.tenant_id.encode("utf-8"))],
+        )
+
+
+def _require_settled(handle: TrackedOperation) -> None:
+    pending = handle.in_doubt
+    if pending is None:
+        return
+    last = pending.events[-1]
+    what = f"{last.state} attempt {last.attempt}"
+    if isinstance(last, DeliveryTransitioned):
+        what = f"delivery to {last.destination} {what}"
+    raise InDoubtError(
+        f"{handle.operation_id}: the append of {what} ({last.event_id}) failed or timed out, "
+        "so it may or may not be recorded. Call recorder.resend(handle) until it succeeds; "
+        "no other step is allowed before that",
+        handle,
+    )
+
+
+@contextlib.contextmanager
+def _locked(handles: Iterable[TrackedOperation]) -> Any:
+    with contextlib.ExitStack() as stack:
+        # Sorted, so two calls sharing handles take their locks in the same order.
+        for handle in sorted(handles, key=lambda h: h.operation_id):
+            stack.enter_context(handle.lock)
+        yield
+
+
+class TransitionRecorder(RecorderCore):
     """Records execution and delivery transitions of operations, durably, in order.
 
     Build it with :meth:`connect` at the edge of a service; tests pass their own transport,
-    clock and entropy. Thread-safe: calls on one operation are serialised by its handle.
+    clock and entropy. Safe to share between threads: calls on one operation are serialised by
+    its handle, calls on different operations run concurrently.
     """
 
     def __init__(
@@ -90,16 +427,10 @@ class TransitionRecorder:
         metrics: Metrics | None = None,
         owns: Sequence[Transport | ResultStore] = (),
     ) -> None:
-        self._settings = settings
+        super().__init__(settings, clock_ns=clock_ns, entropy=entropy, codec=codec, metrics=metrics)
         self._transport = transport
         self._results = results
-        self._clock_ns = clock_ns
-        self._entropy = entropy
-        self._codec = codec or default_codec()
-        self._metrics = metrics
         self._owned = list(owns)
-        self._execution_topic = settings.execution_topic
-        self._delivery_topic = settings.delivery_topic
 
     @classmethod
     def connect(
@@ -144,38 +475,14 @@ class TransitionRecorder:
         """Record INTENT_RECORDED for a new operation; returns its handle once acknowledged.
 
         ``operation_id`` defaults to a fresh ``op_`` ULID; pass one to record a known operation.
-        Only the hash of ``arguments`` (canonical JSON) travels, never the arguments.
+        Only the hash of ``arguments`` (canonical JSON) travels, never the arguments. If the
+        append fails, the error's ``handles`` holds the handle, in doubt: resend it.
         """
-        now_ns = self._clock_ns()
-        if operation_id is None:
-            operation_id = self.new_operation_id()
-        try:
-            request_hash = ids.request_hash(tool_name, arguments)
-        except (TypeError, ValueError) as exc:
-            raise InvalidTransitionError(f"arguments are not canonical JSON: {exc}") from exc
-        event = self._build(
-            ExecutionTransitioned,
-            now_ns,
-            operation_id=operation_id,
-            tenant_id=tenant_id,
-            actor_id=actor_id,
-            attempt=0,
-            state=ExecutionState.INTENT_RECORDED,
-            tool_name=tool_name,
-            request_hash=request_hash,
+        handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
+        self._run(
+            [handle], lambda: self._plan_intent(handle, tenant_id, actor_id, tool_name, arguments)
         )
-        handle = TrackedOperation.unknown(operation_id)
-        with handle.lock:
-            self._record(handle, event)
         return handle
-
-    def new_operation_id(self) -> str:
-        """A fresh ``op_`` ULID from this recorder's clock and entropy.
-
-        Take one before :meth:`intent` when the intent may have to be retried: a retry with the
-        same id is recognised as a repeat, while a retry without it would start a new operation.
-        """
-        return ids.operation_id(self._clock_ns() // 1_000_000, self._entropy(10))
 
     def dispatched(
         self,
@@ -188,8 +495,11 @@ class TransitionRecorder:
 
         Returns False when it was a repeat and nothing was sent.
         """
-        return self._execution(
-            handle, ExecutionState.DISPATCHED, actor_id, provider_ref=provider_ref
+        return self._run(
+            [handle],
+            lambda: self._plan_execution(
+                handle, ExecutionState.DISPATCHED, actor_id, provider_ref=provider_ref
+            ),
         )
 
     def succeeded(
@@ -203,32 +513,39 @@ class TransitionRecorder:
     ) -> bool:
         """Record SUCCEEDED. ``result`` is the payload (stored durably first, only its ref is
         sent) or an existing ``sha256:`` result ref."""
-        if isinstance(result, bytes | bytearray | memoryview):
-            payload: bytes | None = bytes(result)
-            result_ref = ids.content_ref(bytes(result))
-        else:
-            payload, result_ref = None, result
-        return self._execution(
-            handle,
-            ExecutionState.SUCCEEDED,
-            actor_id,
-            provider_ref=provider_ref,
-            result_ref=result_ref,
-            payload=payload,
-            content_type=content_type,
+        return self._run(
+            [handle],
+            lambda: self._plan_execution(
+                handle,
+                ExecutionState.SUCCEEDED,
+                actor_id,
+                provider_ref=provider_ref,
+                result=result,
+                content_type=content_type,
+            ),
         )
 
     def failed(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
         """Record FAILED: the provider confirmed the call did not happen / did not succeed."""
-        return self._execution(handle, ExecutionState.FAILED, actor_id, error=clean_error(error))
+        return self._run(
+            [handle],
+            lambda: self._plan_execution(
+                handle, ExecutionState.FAILED, actor_id, error=clean_error(error)
+            ),
+        )
 
     def unknown(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
         """Record UNKNOWN: contact was lost after dispatch; reconcile, never blind-retry."""
-        return self._execution(handle, ExecutionState.UNKNOWN, actor_id, error=clean_error(error))
+        return self._run(
+            [handle],
+            lambda: self._plan_execution(
+                handle, ExecutionState.UNKNOWN, actor_id, error=clean_error(error)
+            ),
+        )
 
     # -- delivery ----------------------------------------------------------------------------
 
@@ -236,19 +553,30 @@ class TransitionRecorder:
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
         """Record that the result must be delivered to ``destination`` (PENDING, attempt 0)."""
-        return self._delivery(handle, destination, DeliveryState.PENDING, actor_id, attempt=0)
+        return self._run(
+            [handle],
+            lambda: self._plan_delivery(
+                handle, destination, DeliveryState.PENDING, actor_id, attempt=0
+            ),
+        )
 
     def delivery_sent(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
         """Record a send to ``destination`` (SENT, one more attempt)."""
-        return self._delivery(handle, destination, DeliveryState.SENT, actor_id)
+        return self._run(
+            [handle],
+            lambda: self._plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
+        )
 
     def delivery_acked(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
         """Record that ``destination`` acknowledged receipt (ACKED)."""
-        return self._delivery(handle, destination, DeliveryState.ACKED, actor_id)
+        return self._run(
+            [handle],
+            lambda: self._plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
+        )
 
     def delivery_retry(
         self,
@@ -260,15 +588,19 @@ class TransitionRecorder:
         actor_id: str | None = None,
     ) -> bool:
         """Schedule another send of the *delivery* (SENT -> PENDING); never re-executes."""
+        due = as_aware(next_attempt_at)
         if destination not in handle.state.deliveries:
-            raise IllegalTransitionError(f"no delivery to {destination} to retry")
-        return self._delivery(
-            handle,
-            destination,
-            DeliveryState.PENDING,
-            actor_id,
-            next_attempt_at=as_aware(next_attempt_at),
-            error=clean_error(error),
+            raise IllegalTransitionError(f"no delivery to {destination} to retry; nothing was sent")
+        return self._run(
+            [handle],
+            lambda: self._plan_delivery(
+                handle,
+                destination,
+                DeliveryState.PENDING,
+                actor_id,
+                next_attempt_at=due,
+                error=clean_error(error),
+            ),
         )
 
     def delivery_dead_lettered(
@@ -280,11 +612,14 @@ class TransitionRecorder:
         actor_id: str | None = None,
     ) -> bool:
         """Give up on delivering to ``destination`` (DEAD_LETTERED), saying why."""
-        return self._delivery(
-            handle, destination, DeliveryState.DEAD_LETTERED, actor_id, error=clean_error(error)
+        return self._run(
+            [handle],
+            lambda: self._plan_delivery(
+                handle, destination, DeliveryState.DEAD_LETTERED, actor_id, error=clean_error(error)
+            ),
         )
 
-    # -- batches -----------------------------------------------------------------------------
+    # -- batches and doubt ---------------------------------------------------------------------
 
     def append(
         self, events: Sequence[Transition], *, known: Iterable[TrackedOperation] = ()
@@ -293,41 +628,26 @@ class TransitionRecorder:
 
         Each event is folded, in order, onto its operation: the handle in ``known`` if given
         (updated after the ack), else an empty history, so an operation whose earlier events
-        were appended by another call must be passed in ``known``. One illegal event refuses
-        the whole batch before anything is sent; repeats are dropped. Returns the handles of
-        every operation touched.
+        were appended by another call must be passed in ``known`` (a delivery needs its
+        execution). One illegal event refuses the whole batch before anything is sent; repeats
+        are dropped. Returns the handles of every operation touched.
         """
         handles = {h.operation_id: h for h in known}
-        with contextlib.ExitStack() as locks:
-            # Sorted, so two batches sharing handles take their locks in the same order.
-            for operation_id in sorted(handles):
-                locks.enter_context(handles[operation_id].lock)
-            working: dict[str, OperationState] = {}
-            outgoing: list[OutgoingRecord] = []
-            for index, event in enumerate(events):
-                if not isinstance(event, ExecutionTransitioned | DeliveryTransitioned):
-                    raise InvalidTransitionError(f"event {index} is a {type(event).__name__}")
-                operation_id = event.operation_id
-                state = working.get(operation_id)
-                if state is None:
-                    handle = handles.get(operation_id)
-                    state = handle.state if handle else OperationState(operation_id)
-                try:
-                    advanced = advance(state, event)
-                except IllegalTransitionError as exc:
-                    raise IllegalTransitionError(
-                        f"event {index} ({event.event_id}): {exc.reason}; nothing was sent"
-                    ) from None
-                if advanced is not None:
-                    working[operation_id] = advanced
-                    outgoing.append(self._outgoing(event))
-            self._send(outgoing)
-            touched: dict[str, TrackedOperation] = {}
-            for operation_id, state in working.items():
-                handle = handles.get(operation_id) or TrackedOperation(state)
-                handle.commit(state)
-                touched[operation_id] = handle
+        touched: dict[str, TrackedOperation] = {}
+
+        def plan() -> Plan | None:
+            planned = self._plan_append(events, handles)
+            if planned is not None:
+                touched.update((p.handle.operation_id, p.handle) for p in planned.parts)
+            return planned
+
+        self._run(handles.values(), plan)
         return touched
+
+    def resend(self, handle: TrackedOperation) -> bool:
+        """Send the in-doubt events of ``handle`` again, identical (same event ids), and settle
+        the handle once they are acknowledged. Returns False when nothing was in doubt."""
+        return self._run([handle], lambda: self._plan_resend(handle))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -343,163 +663,41 @@ class TransitionRecorder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- I/O -------------------------------------------------------------------------------------
 
-    def _execution(
-        self,
-        handle: TrackedOperation,
-        state: ExecutionState,
-        actor_id: str | None,
-        *,
-        provider_ref: str | None = None,
-        result_ref: str | None = None,
-        error: str | None = None,
-        payload: bytes | None = None,
-        content_type: str = "application/octet-stream",
-    ) -> bool:
-        with handle.lock:
-            current = handle.require_execution()
-            if state is not current.state and state not in EXECUTION_TRANSITIONS[current.state]:
-                # Checked before the event is built: the event model would otherwise refuse the
-                # attempt number first, with a less useful message than the table's.
-                raise IllegalTransitionError(
-                    f"illegal execution transition {current.state} -> {state}"
-                )
-            if (
-                state is ExecutionState.SUCCEEDED
-                and current.state is ExecutionState.SUCCEEDED
-                and result_ref != current.result_ref
-            ):
-                # The fold would call this a duplicate and silently keep the first result.
-                raise IllegalTransitionError(
-                    f"{current.operation_id} already SUCCEEDED with {current.result_ref}"
-                )
-            event = self._build(
-                ExecutionTransitioned,
-                self._clock_ns(),
-                operation_id=current.operation_id,
-                tenant_id=current.tenant_id,
-                actor_id=actor_id or current.actor_id,
-                attempt=next_execution_attempt(current, state),
-                state=state,
-                tool_name=current.tool_name,
-                request_hash=current.request_hash,
-                provider_ref=provider_ref,
-                result_ref=result_ref,
-                error=error,
-            )
-            advanced = advance(handle.state, event)
-            if advanced is None:
+    def _run(self, handles: Iterable[TrackedOperation], planner: Callable[[], Plan | None]) -> bool:
+        with _locked(handles):
+            plan = planner()
+            if plan is None:
                 return False
-            if payload is not None:
+            if plan.payload is not None:
+                if self._results is None:
+                    raise RecordError(
+                        "succeeded(bytes) needs a result store: connect with with_results=True "
+                        "or pass results=; nothing was sent"
+                    )
                 # Durable before the event that points at it exists (and before the caller
                 # acknowledges its job). A crash after this leaves an unreferenced row, which
                 # a retried call stores again as a no-op.
-                if self._results is None:
-                    raise RecordError("succeeded(bytes) needs a result store; pass results=")
-                self._results.put(current.tenant_id, payload, content_type)
+                self._results.put(*plan.payload)
                 fault_point("producer.after_result_write_before_record")
-            self._send([self._outgoing(event)])
-            handle.commit(advanced)
+            records = plan.records
+            started = time.monotonic()
+            try:
+                self._transport.send(records)
+            except RecordError as exc:
+                raise self._doubt(plan, exc) from None
+            except Exception as exc:  # the client itself failed: the outcome is unknown
+                raise self._doubt(
+                    plan, DeliveryError(f"the Kafka client failed while appending: {exc!r}")
+                ) from exc
+            except BaseException:
+                # Interrupted (a cancelled task, Ctrl-C) with records in flight: whether they
+                # landed is unknown, so the handles must not be used as if they had not.
+                self._doubt(
+                    plan, DeliveryError("interrupted while waiting for the acknowledgement")
+                )
+                raise
+            self._settle(plan)
+            self._observe(records, time.monotonic() - started)
             return True
-
-    def _delivery(
-        self,
-        handle: TrackedOperation,
-        destination: str,
-        state: DeliveryState,
-        actor_id: str | None,
-        *,
-        attempt: int | None = None,
-        next_attempt_at: datetime | None = None,
-        error: str | None = None,
-    ) -> bool:
-        with handle.lock:
-            snapshot = handle.state
-            current = snapshot.deliveries.get(destination)
-            if (
-                current is not None
-                and state is not current.state
-                and state not in DELIVERY_TRANSITIONS[current.state]
-            ):
-                raise IllegalTransitionError(
-                    f"illegal delivery transition {current.state} -> {state} ({destination})"
-                )
-            owner = snapshot.execution or current
-            if owner is None:
-                raise IllegalTransitionError(
-                    f"{handle.operation_id}: neither its execution nor a delivery to "
-                    f"{destination} is known, so its tenant is not"
-                )
-            event = self._build(
-                DeliveryTransitioned,
-                self._clock_ns(),
-                operation_id=handle.operation_id,
-                tenant_id=owner.tenant_id,
-                actor_id=actor_id or owner.actor_id,
-                attempt=next_delivery_attempt(current, state) if attempt is None else attempt,
-                destination=destination,
-                state=state,
-                result_ref=delivery_result_ref(snapshot) or (current and current.result_ref),
-                next_attempt_at=next_attempt_at,
-                error=error,
-            )
-            advanced = advance(snapshot, event)
-            if advanced is None:
-                return False
-            self._send([self._outgoing(event)])
-            handle.commit(advanced)
-            return True
-
-    def _record(self, handle: TrackedOperation, event: Transition) -> bool:
-        advanced = advance(handle.state, event)
-        if advanced is None:
-            return False
-        self._send([self._outgoing(event)])
-        handle.commit(advanced)
-        return True
-
-    def _build(
-        self,
-        model: type[ExecutionTransitioned] | type[DeliveryTransitioned],
-        now_ns: int,
-        **fields: Any,
-    ) -> Transition:
-        try:
-            return model(
-                event_id=ids.event_id(now_ns // 1_000_000, self._entropy(10)),
-                occurred_at=_EPOCH + timedelta(microseconds=now_ns // 1000),
-                **fields,
-            )
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
-            )
-            raise InvalidTransitionError(f"invalid {model.__name__}: {problems}") from None
-
-    def _outgoing(self, event: Transition) -> OutgoingRecord:
-        if isinstance(event, ExecutionTransitioned):
-            topic, schema = self._execution_topic, _EXECUTION_SCHEMA
-        else:
-            topic, schema = self._delivery_topic, _DELIVERY_SCHEMA
-        return OutgoingRecord(
-            topic,
-            event.operation_id.encode("ascii"),
-            self._codec.encode(event),
-            [(SCHEMA_HEADER, schema), (TENANT_HEADER, event.tenant_id.encode("utf-8"))],
-        )
-
-    def _send(self, records: list[OutgoingRecord]) -> None:
-        if not records:
-            return
-        started = time.monotonic()
-        self._transport.send(records)
-        if self._metrics is not None:
-            self._metrics.append_seconds.observe(time.monotonic() - started)
-            executions = sum(1 for r in records if r.topic == self._execution_topic)
-            if executions:
-                self._metrics.records_appended.labels(machine="execution").inc(executions)
-            if len(records) - executions:
-                self._metrics.records_appended.labels(machine="delivery").inc(
-                    len(records) - executions
-                )

@@ -4,20 +4,33 @@ Events carry only ``result_ref``; the payload lives here. ``put`` commits before
 worker that records ``SUCCEEDED`` (and then acknowledges its job) never points at a result that a
 crash could still lose - the seed's "Are result records durable before a worker acknowledges the
 job?".
+
+Connections come from a pool, one per concurrent caller: threads sharing a store never wait on
+each other's transactions, and a connection that PostgreSQL dropped (a restart, a failover) is
+replaced instead of poisoning every later call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import psycopg
-from psycopg import pq
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ledger import migrate
 from ledger.domain.ids import SHA256_REF_RE, content_ref
+from ledger.domain.redact import redact
 from producers.errors import ResultStoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Largest payload accepted. Results are read whole by the delivery worker and sent in one
 #: request; anything bigger belongs in an object store with only its address stored here.
@@ -25,6 +38,9 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 COMPONENT = "producers"
+
+#: How long one call keeps trying to reach PostgreSQL (a restart takes a second or two).
+DEFAULT_RECONNECT_WINDOW_S = 10.0
 
 # type/subtype with optional parameters (RFC 9110 token characters), kept deliberately strict:
 # the value is echoed in HTTP headers by the delivery worker.
@@ -41,28 +57,61 @@ def _check_tenant(tenant_id: str) -> None:
         raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class ResultStore:
     """Tenant-scoped result payloads, keyed by ``(tenant_id, sha256 of the bytes)``."""
 
-    def __init__(self, conn: psycopg.Connection[Any], *, owns_connection: bool = False) -> None:
-        self._conn = conn
-        self._owns = owns_connection
+    def __init__(
+        self,
+        pool: ConnectionPool[Any],
+        *,
+        owns_pool: bool = False,
+        reconnect_window_s: float = DEFAULT_RECONNECT_WINDOW_S,
+        where: str = "the configured DSN",
+    ) -> None:
+        self._pool = pool
+        self._owns = owns_pool
+        self._window_s = reconnect_window_s
+        self._where = where
 
     @classmethod
-    def connect(cls, dsn: str) -> Self:
-        """A store over its own autocommit connection to ``dsn`` (closed by :meth:`close`)."""
-        return cls(psycopg.connect(dsn, autocommit=True), owns_connection=True)
+    def connect(
+        cls,
+        dsn: str,
+        *,
+        max_connections: int = 16,
+        reconnect_window_s: float = DEFAULT_RECONNECT_WINDOW_S,
+    ) -> Self:
+        """A store over its own pool of autocommit connections to ``dsn`` (closed by
+        :meth:`close`). Connections open on demand, so this does not fail while PostgreSQL is
+        down: the first ``put`` says so instead."""
+        pool: ConnectionPool[Any] = ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max_connections,
+            kwargs={"autocommit": True, "connect_timeout": 5, "application_name": "opledger-sdk"},
+            open=True,
+            name="opledger-results",
+        )
+        return cls(pool, owns_pool=True, reconnect_window_s=reconnect_window_s, where=redact(dsn))
 
     def migrate(self) -> list[int]:
         """Create or upgrade the ``results`` table; returns the migration versions applied now."""
-        return migrate.apply(self._conn, COMPONENT, MIGRATIONS)
+        return self._retrying(
+            "apply the results migrations", lambda c: migrate.apply(c, COMPONENT, MIGRATIONS)
+        )
 
     def put(
         self, tenant_id: str, payload: bytes, content_type: str = "application/octet-stream"
     ) -> str:
         """Store ``payload`` for ``tenant_id``; returns its ``result_ref``, committed and durable.
 
-        Storing the same bytes again is a no-op returning the same ref (retried workers).
+        Storing the same bytes again is a no-op returning the same ref, which is also why a put
+        interrupted by a dropped connection is simply tried again on a fresh one.
         """
         _check_tenant(tenant_id)
         if not isinstance(payload, bytes | bytearray | memoryview):
@@ -75,21 +124,19 @@ class ResultStore:
             )
         if len(content_type) > 255 or not _CONTENT_TYPE.match(content_type):
             raise ResultStoreError(f"not a valid content type: {content_type!r}")
-        self._require_no_open_transaction()
         ref = content_ref(payload)
-        try:
-            # An explicit transaction on a connection with no transaction open is a real COMMIT
-            # (not a savepoint): when this returns, PostgreSQL has the row on disk.
-            with self._conn.transaction():
-                self._conn.execute(
-                    """INSERT INTO results
-                           (result_ref, tenant_id, content_type, payload, size_bytes)
-                       VALUES (%s, %s, %s, %s, %s)
-                       ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
-                    (ref, tenant_id, content_type, payload, len(payload)),
-                )
-        except psycopg.Error as exc:
-            raise ResultStoreError(f"could not store result {ref}: {exc}") from exc
+
+        def insert(conn: psycopg.Connection[Any]) -> None:
+            # Autocommit: the statement is its own transaction, committed (on disk, with
+            # synchronous_commit on) when execute returns.
+            conn.execute(
+                """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
+                   VALUES (%s, %s, %s, %s, %s)
+                   ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
+                (ref, tenant_id, content_type, payload, len(payload)),
+            )
+
+        self._retrying(f"store result {ref}", insert)
         return ref
 
     def get(self, tenant_id: str, result_ref: str) -> bytes | None:
@@ -97,18 +144,20 @@ class ResultStore:
         _check_tenant(tenant_id)
         if not SHA256_REF_RE.match(result_ref):
             raise ResultStoreError(f"not a result ref: {result_ref!r}")
-        row = self._conn.execute(
-            "SELECT payload FROM results WHERE tenant_id = %s AND result_ref = %s",
-            (tenant_id, result_ref),
-        ).fetchone()
-        if row is None:
-            return None
-        return bytes(row[0])
+
+        def select(conn: psycopg.Connection[Any]) -> bytes | None:
+            row = conn.execute(
+                "SELECT payload FROM results WHERE tenant_id = %s AND result_ref = %s",
+                (tenant_id, result_ref),
+            ).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return self._retrying(f"read result {result_ref}", select)
 
     def close(self) -> None:
-        """Close the connection if this store opened it."""
+        """Close the pool if this store opened it."""
         if self._owns:
-            self._conn.close()
+            self._pool.close()
 
     def __enter__(self) -> Self:
         return self
@@ -116,11 +165,34 @@ class ResultStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _require_no_open_transaction(self) -> None:
-        # Inside a caller's transaction our block would only be a savepoint, and "durable before
-        # return" would silently become "durable when the caller commits" - refuse instead.
-        if self._conn.info.transaction_status != pq.TransactionStatus.IDLE:
-            raise ResultStoreError(
-                "the result store's connection has a transaction open; put() must commit on its "
-                "own to be durable before the transition is recorded"
-            )
+    @contextmanager
+    def _connection(self, deadline: float) -> Iterator[psycopg.Connection[Any]]:
+        with self._pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
+            yield conn
+
+    def _retrying(self, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``work`` on a pooled connection; a connection lost to a restart is replaced and
+        the work tried again until the reconnect window ends. Every statement given here is
+        idempotent, so a retry after an unacknowledged commit changes nothing."""
+        deadline = time.monotonic() + self._window_s
+        delay = 0.02
+        while True:
+            try:
+                with self._connection(deadline) as conn:
+                    return work(conn)
+            except (psycopg.OperationalError, PoolTimeout) as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise ResultStoreError(
+                        f"could not {what}: PostgreSQL at {self._where} did not answer for "
+                        f"{self._window_s:.0f}s ({_first_line(exc)}). Nothing was recorded; "
+                        "retry the call once the database is back"
+                    ) from exc
+                log.warning("%s: %s; retrying on a fresh connection", what, _first_line(exc))
+                # After a restart every idle connection in the pool is dead: test them all now
+                # (dead ones are replaced) rather than meeting them one failed call at a time.
+                with contextlib.suppress(Exception):
+                    self._pool.check()
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except psycopg.Error as exc:
+                raise ResultStoreError(f"could not {what}: {_first_line(exc)}") from exc

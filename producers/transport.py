@@ -3,11 +3,18 @@
 :class:`Transport` is all the recorder needs: send these records and return once every one is
 acknowledged, or raise. Unit tests of the handle logic give the recorder an in-memory transport;
 :class:`KafkaTransport` is the real one.
+
+One producer serves every thread (and the asyncio recorder) of a process. A background thread
+serves its delivery reports as they arrive, and each call waits for the reports of its *own*
+records only: concurrent callers never wait on each other's acknowledgements, and nobody calls a
+global ``flush()``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +22,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, Producer
 
+from ledger.kafka import producer_config
 from ledger.settings import Settings
 from producers.errors import DeliveryError, DeliveryTimeoutError
 
@@ -29,6 +37,9 @@ DEFAULT_DELIVERY_TIMEOUT_S = 10.0
 _REPORT_GRACE_S = 5.0
 
 Headers = list[tuple[str, bytes]]
+
+_UNREACHABLE = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE)
+_NO_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,52 +64,47 @@ class Transport(Protocol):
         ...
 
 
-def producer_config(
-    settings: Settings,
-    *,
-    delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
-    compression: str = "lz4",
-) -> dict[str, Any]:
-    """The producer configuration every opledger writer uses (the benchmark's baseline too)."""
-    return {
-        "bootstrap.servers": settings.bootstrap_servers,
-        # Idempotence + acks=all: a broker-side retry cannot duplicate or reorder a record, and
-        # "acknowledged" means written to every in-sync replica.
-        "enable.idempotence": True,
-        "acks": "all",
-        "max.in.flight.requests.per.connection": 5,
-        # A worker waits for each ack; 5 ms of batching costs little latency and lets
-        # concurrent workers and record_many share requests.
-        "linger.ms": 5,
-        "compression.type": compression,
-        # Upper bound on a call: without it a missing topic or a dead broker would make a
-        # worker hang for librdkafka's default of 300 s.
-        "delivery.timeout.ms": int(delivery_timeout_s * 1000),
-        # Java's default partitioner (murmur2): Kafka Streams or Java consumers computing
-        # key -> partition agree with us, and execution and delivery topics (same partition
-        # count) put one operation's records on the same partition number.
-        "partitioner": "murmur2_random",
-    }
+class _Reports:
+    """The delivery reports of one call's records, filled in by the poller thread."""
 
+    __slots__ = ("_callbacks", "_done", "_lock", "errors", "expected", "received")
 
-class _Acks:
-    """Delivery reports of one send() call. list.append is atomic under the GIL, so reports
-    served by another thread's poll() need no lock."""
-
-    __slots__ = ("errors", "reports")
-
-    def __init__(self) -> None:
-        self.reports: list[None] = []
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.received = 0
         self.errors: list[tuple[KafkaError, str]] = []
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
 
     def on_delivery(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None:
-            self.errors.append((err, msg.topic()))
-        self.reports.append(None)
+        # Usually the poller thread; close() serves reports from its own thread too.
+        with self._lock:
+            if err is not None:
+                self.errors.append((err, msg.topic()))
+            self.received += 1
+            if self.received != self.expected:
+                return
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (in the poller thread) once every report is in, or now if they are."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
 
 class KafkaTransport:
-    """A confluent-kafka producer that waits for the acknowledgement of what it sends."""
+    """A confluent-kafka producer shared by every caller of a process; each caller waits for the
+    acknowledgements of its own records."""
 
     def __init__(
         self,
@@ -106,35 +112,67 @@ class KafkaTransport:
         *,
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         compression: str = "lz4",
+        linger_ms: float = 0.0,
         extra_config: dict[str, Any] | None = None,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
     ) -> None:
         config = producer_config(
-            settings, delivery_timeout_s=delivery_timeout_s, compression=compression
+            settings,
+            client_id="opledger-sdk",
+            delivery_timeout_s=delivery_timeout_s,
+            linger_ms=linger_ms,
+            compression=compression,
         )
         config.update(extra_config or {})
         config["error_cb"] = self._on_client_error
+        self._bootstrap = settings.bootstrap_servers
         self._producer = producer_factory(config)
         self._wait_s = delivery_timeout_s + _REPORT_GRACE_S
         self._fatal: KafkaError | None = None
+        # (monotonic time it was first seen, the error) while no broker answers.
+        self._unreachable: tuple[float, KafkaError] | None = None
+        self._closing = threading.Event()
+        self._poller = threading.Thread(
+            target=self._serve_reports, name="opledger-delivery-reports", daemon=True
+        )
+        self._poller.start()
+
+    # -- callbacks (run in the poller thread) ----------------------------------------------------
+
+    def _serve_reports(self) -> None:
+        poll = self._producer.poll
+        while not self._closing.is_set():
+            # Returns as soon as a report arrives; the timeout only bounds how long close() waits.
+            poll(0.1)
 
     def _on_client_error(self, err: KafkaError) -> None:
-        # Connection hiccups are retried by librdkafka and surface per message if they last;
-        # a fatal error (idempotence broken) means this producer may send nothing more.
+        # Connection trouble is retried by librdkafka and surfaces per record if it lasts; it is
+        # remembered so a timed-out call can say that the broker, not the topic, is the problem.
         if err.fatal():
             self._fatal = err
             log.error("kafka producer fatal error: %s", err)
-        else:
-            log.warning("kafka producer error: %s", err)
+        elif err.code() in _UNREACHABLE and self._unreachable is None:
+            self._unreachable = (time.monotonic(), err)
+            log.warning("kafka broker %s unreachable: %s", self._bootstrap, err.str())
 
-    def send(self, records: Sequence[OutgoingRecord]) -> None:
-        """Produce every record, then serve delivery reports until all are in (one wait)."""
+    def _note_reachable(self, reports: _Reports) -> None:
+        if self._unreachable is not None and len(reports.errors) < reports.expected:
+            self._unreachable = None
+            log.info("kafka broker %s reachable again", self._bootstrap)
+
+    # -- sending -----------------------------------------------------------------------------------
+
+    def submit(self, records: Sequence[OutgoingRecord]) -> _Reports:
+        """Hand every record to the producer; the returned reports fill in as acks arrive."""
         if self._fatal is not None:
-            raise DeliveryError(f"producer is unusable: {self._fatal}", self._fatal)
-        acks = _Acks()
-        callback = acks.on_delivery
+            raise DeliveryError(
+                f"the Kafka producer is unusable after a fatal error ({self._fatal.str()}); "
+                "close this recorder and connect a new one",
+                self._fatal,
+            )
+        reports = _Reports(len(records))
+        callback = reports.on_delivery
         produce = self._producer.produce
-        poll = self._producer.poll
         deadline = time.monotonic() + self._wait_s
         for record in records:
             while True:
@@ -148,38 +186,90 @@ class KafkaTransport:
                     )
                     break
                 except BufferError:
-                    # librdkafka's local queue is full: serving reports makes room.
+                    # librdkafka's local queue is full; the poller thread makes room.
                     if time.monotonic() > deadline:
-                        raise DeliveryTimeoutError(
-                            "local producer queue stayed full; broker unreachable?"
-                        ) from None
-                    poll(0.01)
-        expected = len(records)
-        while len(acks.reports) < expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeliveryTimeoutError(
-                    f"{expected - len(acks.reports)} of {expected} records not acknowledged "
-                    f"within {self._wait_s:.0f}s; they may still be written (outcome unknown)"
-                )
-            poll(min(remaining, 0.1))
-        if acks.errors:
-            err, topic = acks.errors[0]
-            hint = ""
-            if err.code() in (
-                KafkaError._MSG_TIMED_OUT,
-                KafkaError._UNKNOWN_TOPIC,
-                KafkaError.UNKNOWN_TOPIC_OR_PART,
-            ):
-                hint = f" (does topic {topic!r} exist? topics are not auto-created)"
+                        raise DeliveryTimeoutError(self._timeout_message(reports)) from None
+                    time.sleep(0.005)
+        return reports
+
+    def send(self, records: Sequence[OutgoingRecord]) -> None:
+        """Produce every record, then wait for their own acknowledgements (one wait)."""
+        if not records:
+            return
+        reports = self.submit(records)
+        if not reports.wait(self._wait_s):
+            raise DeliveryTimeoutError(self._timeout_message(reports))
+        self._check(reports)
+
+    async def send_async(self, records: Sequence[OutgoingRecord]) -> None:
+        """:meth:`send` for asyncio: the event loop is never blocked on an acknowledgement."""
+        if not records:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def resolve() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(resolve)
+
+        reports = self.submit(records)
+        reports.when_done(wake)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self._wait_s)
+        except TimeoutError:
+            raise DeliveryTimeoutError(self._timeout_message(reports)) from None
+        self._check(reports)
+
+    def _check(self, reports: _Reports) -> None:
+        self._note_reachable(reports)
+        if not reports.errors:
+            return
+        err, topic = reports.errors[0]
+        expected = reports.expected
+        if err.code() == KafkaError._MSG_TIMED_OUT and self._unreachable is not None:
+            raise DeliveryTimeoutError(self._timeout_message(reports), err)
+        if err.code() in _NO_TOPIC:
             raise DeliveryError(
-                f"{len(acks.errors)} of {expected} records not written to {topic}: "
-                f"{err.name()}: {err.str()}{hint}",
+                f"{len(reports.errors)} of {expected} records not written: topic {topic!r} does "
+                "not exist on the broker (topics are not auto-created: run `opledger stack up` "
+                "or ledger.topics.ensure_topics)",
                 err,
             )
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            raise DeliveryTimeoutError(
+                f"{len(reports.errors)} of {expected} records to {topic} were not acknowledged "
+                f"in time ({err.str()}); they may still have been written: the outcome is "
+                "unknown, so resend the same event",
+                err,
+            )
+        raise DeliveryError(
+            f"{len(reports.errors)} of {expected} records not written to {topic}: "
+            f"{err.name()}: {err.str()}",
+            err,
+        )
+
+    def _timeout_message(self, reports: _Reports) -> str:
+        missing = reports.expected - reports.received
+        unknown = (
+            f"{missing} of {reports.expected} records not acknowledged within "
+            f"{self._wait_s:.0f}s: they may still be written (the outcome is unknown)"
+        )
+        if self._unreachable is not None:
+            since, err = self._unreachable
+            return (
+                f"the Kafka broker at {self._bootstrap} is unreachable ({err.str()}, for "
+                f"{time.monotonic() - since:.0f}s); {unknown}. Start the broker "
+                "(`opledger stack up`) and resend the same event (recorder.resend)"
+            )
+        return f"{unknown}; resend the same event (recorder.resend)"
 
     def close(self) -> None:
-        """Flush what is queued (bounded by the delivery timeout)."""
+        """Deliver what is queued (bounded by the delivery timeout), then stop the poller."""
         remaining = self._producer.flush(self._wait_s)
+        self._closing.set()
+        self._poller.join(timeout=5)
         if remaining:
             log.error("%d records still unacknowledged when the producer closed", remaining)

@@ -79,10 +79,11 @@ SELECT occurred_at, topic, partition, "offset", event_id, actor_id, machine, des
  ORDER BY occurred_at, topic, partition, "offset"
 """
 
-#: Illegal transitions recorded for it, with the fold's reason. Scoped by the tenant of the
-#: offending event: an event another tenant sent with this id is that tenant's anomaly.
+#: Refused events aimed at it, with the fold's reason: scoped by the operation's owner, so the
+#: owner also sees what another tenant tried on its operation (the reason never names that
+#: tenant; ``anomalies.source_tenant_id`` keeps it for operators).
 SHOW_ANOMALIES_SQL = """
-SELECT topic, partition, "offset", machine, reason, detected_at
+SELECT topic, partition, "offset", machine, kind, reason, detected_at
   FROM anomalies
  WHERE tenant_id = %(tenant_id)s AND operation_id = %(operation_id)s
  ORDER BY topic, partition, "offset"
@@ -209,6 +210,7 @@ class AnomalyRow:
     partition: int
     offset: int
     machine: str
+    kind: str
     reason: str
     detected_at: datetime
 

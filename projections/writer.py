@@ -15,6 +15,7 @@ staged COPY and one guarded UPDATE whose row count must match, as DBOS guards st
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,11 +28,21 @@ from ledger.domain.fold import (
     DeliveryRecord,
     Duplicate,
     ExecutionRecord,
+    Rejected,
+    RejectionKind,
     apply_delivery,
     apply_execution,
 )
 from ledger.domain.states import DeliveryState, ExecutionState
-from ledger.records import OpenAges, ProjectionBatch, ProjectionReport, SourcedEvent
+from ledger.records import (
+    DeadLetter,
+    OpenAges,
+    ProjectionBatch,
+    ProjectionReport,
+    RecordRefusedError,
+    SinkUnavailableError,
+    SourcedEvent,
+)
 from projections.schema import apply_migrations
 
 _OP_COLUMNS = (
@@ -87,11 +98,45 @@ _HISTORY_COLUMNS = (
 )
 
 
-class ProjectionConflictError(RuntimeError):
+class ProjectionConflictError(SinkUnavailableError):
     """A guarded update touched fewer rows than folded: another writer changed the same rows.
 
-    The transaction is rolled back and the batch is refolded from the stored state on restart.
+    The transaction is rolled back and the batch is folded again from the stored state.
     """
+
+
+# Errors that say the *data* cannot be stored (a value PostgreSQL refuses, a constraint, a value
+# the driver cannot convert), as opposed to the database being unreachable: the batch holding
+# it would fail every time, so the reader isolates the record instead of retrying.
+_REFUSALS: tuple[type[BaseException], ...] = (
+    psycopg.DataError,
+    psycopg.IntegrityError,
+    psycopg.errors.InternalError_,
+    ValueError,
+    TypeError,
+    OverflowError,
+    UnicodeError,
+)
+_UNAVAILABLE: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+_ANOMALY_COLUMNS = (
+    "topic",
+    "partition",
+    "offset",
+    "operation_id",
+    "tenant_id",
+    "machine",
+    "reason",
+    "event",
+    "kind",
+    "source_tenant_id",
+)
+_DEAD_LETTER_COLUMNS = ("topic", "partition", "offset", "reason", "size_bytes", "by_reference")
+
+
+def storable(text: str, limit: int = 2000) -> str:
+    """``text`` as something PostgreSQL can hold: no NUL, no lone surrogates, bounded."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()[:limit]
 
 
 def _cols(columns: Iterable[str]) -> str:
@@ -181,18 +226,91 @@ def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return storable(text.splitlines()[0] if text else type(exc).__name__, 500)
+
+
+def _held_back(coordinates: Any, held: dict[tuple[str, int], int]) -> bool:
+    offset = held.get((coordinates.topic, coordinates.partition))
+    return offset is not None and coordinates.offset >= offset
+
+
+def _dead_row(d: DeadLetter) -> tuple[Any, ...]:
+    c = d.coordinates
+    size = len(d.value or b"") if d.size_bytes is None else d.size_bytes
+    return (c.topic, c.partition, c.offset, storable(d.reason), size, d.by_reference)
+
+
+class _Folded:
+    """What folding one batch produced, ready to write."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[Any, ...]] = []
+        self.anomalies: list[tuple[Any, ...]] = []
+        self.operations: dict[str, tuple[ExecutionRecord, int, str | None]] = {}
+        self.deliveries: dict[tuple[str, str], tuple[DeliveryRecord, int, str | None]] = {}
+        #: (delivery topic, partition) -> first offset held back for a later batch
+        self.held: dict[tuple[str, int], int] = {}
+
+    def record(
+        self,
+        item: SourcedEvent,
+        machine: str,
+        outcome: Any,
+        owner_tenant: str,
+        report: ProjectionReport,
+    ) -> None:
+        if isinstance(outcome, Applied):
+            report.applied[machine] += 1
+            self.history.append(_history_row(item, "applied"))
+            return
+        if isinstance(outcome, Duplicate):
+            report.duplicates[machine] += 1
+            self.history.append(_history_row(item, "duplicate"))
+            return
+        report.anomalies[machine] += 1
+        self.history.append(_history_row(item, "anomaly"))
+        event, c = item.event, item.coordinates
+        # The anomaly belongs to the operation's owner, who sees the reason; the tenant that
+        # sent a foreign event is kept apart (source_tenant_id) for operators only.
+        foreign = event.tenant_id if event.tenant_id != owner_tenant else None
+        self.anomalies.append(
+            (
+                c.topic,
+                c.partition,
+                c.offset,
+                event.operation_id,
+                owner_tenant,
+                machine,
+                outcome.reason,
+                Jsonb(event.model_dump(mode="json")),
+                outcome.kind.value,
+                foreign,
+            )
+        )
+
+
 class PostgresProjection:
     """The :class:`ledger.records.ProjectionSink` over PostgreSQL."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], dsn: str = "") -> None:
         self._conn = conn
+        # psycopg's dsn leaves the password out: pass the real one to survive a reconnect.
+        self._dsn = dsn or conn.info.dsn
+        self._consumer = ""
         self._staging_ready = False
         self._types: dict[tuple[str, tuple[str, ...]], list[int]] = {}
 
     @classmethod
     def connect(cls, dsn: str) -> PostgresProjection:
-        conn = psycopg.connect(dsn, autocommit=True, application_name="opledger-projector")
-        projection = cls(conn)
+        try:
+            conn = psycopg.connect(
+                dsn, autocommit=True, application_name="opledger-projector", connect_timeout=5
+            )
+        except psycopg.OperationalError as exc:
+            raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
+        projection = cls(conn, dsn)
         projection.migrate()
         return projection
 
@@ -242,11 +360,41 @@ class PostgresProjection:
             deliveries={(dest, state): float(age) for dest, state, age in deliveries},
         )
 
+    def reconnect(self) -> None:
+        """Replace the connection (after PostgreSQL went away); raises SinkUnavailableError."""
+        try:
+            conn = psycopg.connect(
+                self._dsn, autocommit=True, application_name="opledger-projector", connect_timeout=5
+            )
+        except psycopg.Error as exc:
+            raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
+        old, self._conn = self._conn, conn
+        self._staging_ready = False  # temp tables live and die with the session
+        with contextlib.suppress(Exception):
+            old.close()
+
     def project(self, consumer: str, batch: ProjectionBatch) -> ProjectionReport:
+        """Fold the batch and commit rows and offsets in one transaction.
+
+        Raises :class:`SinkUnavailableError` when the database is unreachable (nothing stored;
+        try the same batch again) and :class:`RecordRefusedError` when something in the batch
+        cannot be stored (nothing stored; the caller isolates the record).
+        """
+        try:
+            return self._project(consumer, batch)
+        except SinkUnavailableError:
+            raise
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"PostgreSQL unavailable: {_first_line(exc)}") from exc
+        except _REFUSALS as exc:
+            raise RecordRefusedError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+
+    def _project(self, consumer: str, batch: ProjectionBatch) -> ProjectionReport:
         self._ensure_staging()
         report = ProjectionReport()
         if not batch.next_offsets:
             return report
+        self._consumer = consumer
         with self._conn.transaction(), self._conn.cursor() as cur:
             stored = self._lock_offsets(cur, consumer, batch)
             fresh = [
@@ -262,38 +410,16 @@ class PostgresProjection:
             report.skipped_redelivered = (
                 len(batch.events) + len(batch.dead_letters) - len(fresh) - len(dead)
             )
-            history, anomalies, ops, deliveries = self._fold(cur, fresh, report)
-            self._copy(cur, "operation_history", _HISTORY_COLUMNS, history)
-            self._copy(
-                cur,
-                "anomalies",
-                (
-                    "topic",
-                    "partition",
-                    "offset",
-                    "operation_id",
-                    "tenant_id",
-                    "machine",
-                    "reason",
-                    "event",
-                ),
-                anomalies,
-            )
-            self._copy(
-                cur,
-                "dead_letters",
-                ("topic", "partition", "offset", "reason", "size_bytes"),
-                [
-                    (
-                        d.coordinates.topic,
-                        d.coordinates.partition,
-                        d.coordinates.offset,
-                        d.reason,
-                        len(d.value or b""),
-                    )
-                    for d in dead
-                ],
-            )
+            folded = self._fold(cur, fresh, report, batch, stored)
+            next_offsets = dict(batch.next_offsets)
+            for key, offset in folded.held.items():
+                # Held deliveries and everything after them on their partition are read again.
+                next_offsets[key] = offset
+                report.rewind[key] = offset
+            dead = [d for d in dead if not _held_back(d.coordinates, folded.held)]
+            self._copy(cur, "operation_history", _HISTORY_COLUMNS, folded.history)
+            self._copy(cur, "anomalies", _ANOMALY_COLUMNS, folded.anomalies)
+            self._copy(cur, "dead_letters", _DEAD_LETTER_COLUMNS, [_dead_row(d) for d in dead])
             report.dead_letters = len(dead)
             self._write_current(
                 cur,
@@ -301,7 +427,7 @@ class PostgresProjection:
                 stage="stage_operations",
                 columns=_OP_COLUMNS,
                 state_column="execution_state",
-                changed=ops,
+                changed=folded.operations,
             )
             self._write_current(
                 cur,
@@ -309,7 +435,7 @@ class PostgresProjection:
                 stage="stage_deliveries",
                 columns=_DELIVERY_COLUMNS,
                 state_column="state",
-                changed=deliveries,
+                changed=folded.deliveries,
             )
             cur.execute(
                 "UPDATE projector_offsets o SET next_offset = x.n, updated_at = now() "
@@ -317,9 +443,9 @@ class PostgresProjection:
                 "WHERE o.consumer = %s AND o.topic = x.t AND o.partition = x.p "
                 "AND o.next_offset < x.n",
                 (
-                    [t for t, _ in batch.next_offsets],
-                    [p for _, p in batch.next_offsets],
-                    list(batch.next_offsets.values()),
+                    [t for t, _ in next_offsets],
+                    [p for _, p in next_offsets],
+                    list(next_offsets.values()),
                     consumer,
                 ),
             )
@@ -346,74 +472,93 @@ class PostgresProjection:
         )
         return {(t, p): n for t, p, n in cur.fetchall()}
 
+    def _execution_settled(
+        self,
+        cur: psycopg.Cursor[Any],
+        batch: ProjectionBatch,
+        stored: dict[tuple[str, int], int],
+        partition: int,
+    ) -> bool:
+        """Whether partition ``partition`` of the execution topic is projected (with this batch)
+        up to its current end, so that a delivery there still finding no SUCCEEDED execution
+        will never find one."""
+        if batch.execution_end is None:
+            return True  # a caller that cannot ask the broker: judge on what is projected
+        key = (batch.execution_topic, partition)
+        position = batch.next_offsets.get(key, stored.get(key))
+        if position is None:
+            cur.execute(
+                "SELECT next_offset FROM projector_offsets "
+                "WHERE consumer = %s AND topic = %s AND partition = %s",
+                (self._consumer, batch.execution_topic, partition),
+            )
+            row = cur.fetchone()
+            position = 0 if row is None else int(row[0])
+        return position >= batch.execution_end(partition)
+
     def _fold(
-        self, cur: psycopg.Cursor[Any], fresh: Sequence[SourcedEvent], report: ProjectionReport
-    ) -> tuple[
-        list[tuple[Any, ...]],
-        list[tuple[Any, ...]],
-        dict[str, tuple[ExecutionRecord, int, str | None]],
-        dict[tuple[str, str], tuple[DeliveryRecord, int, str | None]],
-    ]:
-        exec_ids = {
-            e.event.operation_id for e in fresh if isinstance(e.event, ExecutionTransitioned)
-        }
+        self,
+        cur: psycopg.Cursor[Any],
+        fresh: Sequence[SourcedEvent],
+        report: ProjectionReport,
+        batch: ProjectionBatch,
+        stored: dict[tuple[str, int], int],
+    ) -> _Folded:
         delivery_ids = {
             e.event.operation_id for e in fresh if isinstance(e.event, DeliveryTransitioned)
         }
-        ops = self._load_operations(cur, exec_ids)
+        # A delivery is checked against its execution, so the execution row is loaded for it too.
+        ops = self._load_operations(cur, {e.event.operation_id for e in fresh})
         deliveries = self._load_deliveries(cur, delivery_ids)
-        # (record, version as loaded, state as loaded): the guard of the UPDATE.
+        # (version as loaded, state as loaded): the guard of the UPDATE.
         op_start = {k: (v.version, v.state.value) for k, v in ops.items()}
         delivery_start = {k: (v.version, v.state.value) for k, v in deliveries.items()}
-        history: list[tuple[Any, ...]] = []
-        anomalies: list[tuple[Any, ...]] = []
+        folded = _Folded()
+        # Executions first: nothing on the execution topic depends on a delivery, and a delivery
+        # fetched in the same batch as the execution it follows must see that execution.
         for item in fresh:
             event = item.event
-            outcome: Any
-            if isinstance(event, ExecutionTransitioned):
-                machine = "execution"
-                outcome = apply_execution(ops.get(event.operation_id), event)
-                if isinstance(outcome, Applied):
-                    ops[event.operation_id] = outcome.record
-            else:
-                machine = "delivery"
-                key = (event.operation_id, event.destination)
-                outcome = apply_delivery(deliveries.get(key), event)
-                if isinstance(outcome, Applied):
-                    deliveries[key] = outcome.record
+            if not isinstance(event, ExecutionTransitioned):
+                continue
+            current = ops.get(event.operation_id)
+            outcome: Any = apply_execution(current, event)
             if isinstance(outcome, Applied):
-                report.applied[machine] += 1
-                history.append(_history_row(item, "applied"))
-            elif isinstance(outcome, Duplicate):
-                report.duplicates[machine] += 1
-                history.append(_history_row(item, "duplicate"))
-            else:
-                report.anomalies[machine] += 1
-                history.append(_history_row(item, "anomaly"))
-                c = item.coordinates
-                anomalies.append(
-                    (
-                        c.topic,
-                        c.partition,
-                        c.offset,
-                        event.operation_id,
-                        event.tenant_id,
-                        machine,
-                        outcome.reason,
-                        Jsonb(event.model_dump(mode="json")),
-                    )
-                )
-        changed_ops = {
+                ops[event.operation_id] = outcome.record
+            owner = event.tenant_id if current is None else current.tenant_id
+            folded.record(item, "execution", outcome, owner, report)
+        settled: dict[int, bool] = {}
+        for item in fresh:
+            event = item.event
+            if not isinstance(event, DeliveryTransitioned):
+                continue
+            partition = item.coordinates.partition
+            key = (item.coordinates.topic, partition)
+            if key in folded.held:
+                continue
+            execution = ops.get(event.operation_id)
+            dkey = (event.operation_id, event.destination)
+            outcome = apply_delivery(deliveries.get(dkey), event, execution)
+            if isinstance(outcome, Rejected) and outcome.kind is RejectionKind.AWAITING_EXECUTION:
+                if partition not in settled:
+                    settled[partition] = self._execution_settled(cur, batch, stored, partition)
+                if not settled[partition]:
+                    folded.held[key] = item.coordinates.offset
+                    continue
+            if isinstance(outcome, Applied):
+                deliveries[dkey] = outcome.record
+            owner = event.tenant_id if execution is None else execution.tenant_id
+            folded.record(item, "delivery", outcome, owner, report)
+        folded.operations = {
             k: (r, *op_start.get(k, (0, None)))
             for k, r in ops.items()
             if r.version != op_start.get(k, (0, None))[0]
         }
-        changed_deliveries = {
+        folded.deliveries = {
             k: (r, *delivery_start.get(k, (0, None)))
             for k, r in deliveries.items()
             if r.version != delivery_start.get(k, (0, None))[0]
         }
-        return history, anomalies, changed_ops, changed_deliveries
+        return folded
 
     def _load_operations(
         self, cur: psycopg.Cursor[Any], ids: set[str]

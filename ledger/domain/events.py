@@ -48,8 +48,33 @@ def _no_secret(value: str | None) -> str | None:
     return value
 
 
+def storable_text_problem(value: str) -> str | None:
+    """Why PostgreSQL (or any UTF-8 store) could never hold ``value``, or None if it can.
+
+    PostgreSQL's ``text`` refuses U+0000, and a lone surrogate has no UTF-8 encoding; an event
+    carrying either could be written to a topic but never projected, so the contract refuses it.
+    """
+    if "\x00" in value:
+        return "text contains NUL (U+0000), which PostgreSQL cannot store"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "text contains a lone surrogate, which has no UTF-8 encoding"
+    return None
+
+
+def _storable(value: str) -> str:
+    problem = storable_text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 ErrorText = Annotated[
-    str, StringConstraints(max_length=MAX_ERROR_LENGTH), AfterValidator(_no_secret)
+    str,
+    StringConstraints(max_length=MAX_ERROR_LENGTH),
+    AfterValidator(_storable),
+    AfterValidator(_no_secret),
 ]
 
 

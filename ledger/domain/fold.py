@@ -7,12 +7,16 @@ of events means the same thing wherever it is read. An outcome is one of:
 - :class:`Duplicate`: the same (state, attempt) was already recorded for this operation - what a
   service that retries its own call sends. Counted, never applied twice, not an anomaly.
 - :class:`Rejected`: an illegal transition. Recorded as an anomaly with the reason, never applied.
+
+Reasons never name another tenant: an anomaly is shown to the operation's owner, and the id of a
+tenant that sent an event for someone else's operation is for operators only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Generic, TypeVar
 
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
@@ -81,10 +85,24 @@ class Duplicate:
     reason: str
 
 
+class RejectionKind(StrEnum):
+    """Why an event was refused, for anomaly rows and metrics."""
+
+    ILLEGAL = "illegal"  # not a legal next step of its state machine
+    FOREIGN_TENANT = "foreign_tenant"  # sent by another tenant than the operation's owner
+    #: a delivery whose execution is not (yet) SUCCEEDED; a reader that may not have seen the
+    #: execution topic up to this point yet can wait before calling it an anomaly.
+    AWAITING_EXECUTION = "awaiting_execution"
+
+
 @dataclass(frozen=True, slots=True)
 class Rejected:
     reason: str
+    kind: RejectionKind = RejectionKind.ILLEGAL
 
+
+#: Shown to the operation's owner; deliberately names no tenant.
+FOREIGN_TENANT_REASON = "event from another tenant refused: an operation belongs to its creator"
 
 ExecutionOutcome = Applied[ExecutionRecord] | Duplicate | Rejected
 DeliveryOutcome = Applied[DeliveryRecord] | Duplicate | Rejected
@@ -123,7 +141,7 @@ def apply_execution(
     # Identity is checked before duplicates: a "retry" from another tenant or for another request
     # is an anomaly to record, not a harmless duplicate to count.
     if event.tenant_id != current.tenant_id:
-        return Rejected(f"tenant changed from {current.tenant_id} to {event.tenant_id}")
+        return Rejected(FOREIGN_TENANT_REASON, RejectionKind.FOREIGN_TENANT)
     if event.tool_name != current.tool_name or event.request_hash != current.request_hash:
         return Rejected("tool_name or request_hash differs from the recorded intent")
     if (event.state, event.attempt) in current.seen:
@@ -164,8 +182,43 @@ def apply_execution(
     )
 
 
-def apply_delivery(current: DeliveryRecord | None, event: DeliveryTransitioned) -> DeliveryOutcome:
-    """Fold one delivery event into the (operation, destination) record."""
+def delivery_refusal(
+    execution: ExecutionRecord | None, event: DeliveryTransitioned
+) -> Rejected | None:
+    """The cross-machine rule: a delivery belongs to a SUCCEEDED execution of the same tenant
+    and carries that execution's result. None when ``event`` may be folded."""
+    if execution is None:
+        return Rejected(
+            f"delivery to {event.destination} for an operation with no recorded execution",
+            RejectionKind.AWAITING_EXECUTION,
+        )
+    if event.operation_id != execution.operation_id:
+        raise ValueError("delivery_refusal called with another operation's execution")
+    if event.tenant_id != execution.tenant_id:
+        return Rejected(FOREIGN_TENANT_REASON, RejectionKind.FOREIGN_TENANT)
+    if execution.state is not ExecutionState.SUCCEEDED or execution.result_ref is None:
+        return Rejected(
+            f"delivery to {event.destination} before the execution succeeded "
+            f"(execution is {execution.state})",
+            RejectionKind.AWAITING_EXECUTION,
+        )
+    if event.result_ref is not None and event.result_ref != execution.result_ref:
+        return Rejected(
+            f"delivery to {event.destination} carries another result than the execution's"
+        )
+    return None
+
+
+def apply_delivery(
+    current: DeliveryRecord | None,
+    event: DeliveryTransitioned,
+    execution: ExecutionRecord | None,
+) -> DeliveryOutcome:
+    """Fold one delivery event into the (operation, destination) record, given the operation's
+    execution record (see :func:`delivery_refusal`)."""
+    refusal = delivery_refusal(execution, event)
+    if refusal is not None:
+        return refusal
     if current is None:
         if event.state not in DELIVERY_INITIAL or event.attempt != 0:
             return Rejected(
@@ -193,7 +246,7 @@ def apply_delivery(current: DeliveryRecord | None, event: DeliveryTransitioned) 
     if event.destination != current.destination or event.operation_id != current.operation_id:
         raise ValueError("apply_delivery called with another (operation, destination)'s record")
     if event.tenant_id != current.tenant_id:
-        return Rejected(f"tenant changed from {current.tenant_id} to {event.tenant_id}")
+        return Rejected(FOREIGN_TENANT_REASON, RejectionKind.FOREIGN_TENANT)
     if (event.state, event.attempt) in current.seen:
         return Duplicate(
             f"{event.destination} {event.state} attempt {event.attempt} already recorded"

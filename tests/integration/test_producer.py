@@ -3,9 +3,13 @@ test its own topics and database)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from uuid import uuid4
@@ -21,7 +25,9 @@ from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.settings import Settings
 from producers import (
     MAX_RESULT_BYTES,
+    AsyncTransitionRecorder,
     DeliveryError,
+    DeliveryTimeoutError,
     IllegalTransitionError,
     OperationState,
     ResultStore,
@@ -359,8 +365,106 @@ def test_result_store_is_tenant_scoped_and_validated(isolated: Settings) -> None
             store.put("tenant-a", bytes(MAX_RESULT_BYTES + 1))
         with pytest.raises(ResultStoreError, match="tenant_id"):
             store.put("", b"x")
-    # Inside a caller's open transaction put() could not commit on its own: refused.
-    with psycopg.connect(isolated.dsn) as conn:
-        conn.execute("SELECT 1")
-        with pytest.raises(ResultStoreError, match="transaction open"):
-            ResultStore(conn).put("tenant-a", b"y")
+
+
+def test_result_store_replaces_connections_the_server_dropped(isolated: Settings) -> None:
+    """The server ends every session of the store (what a PostgreSQL restart does to clients):
+    the next put reconnects instead of failing, and so does every one after it."""
+    with ResultStore.connect(isolated.dsn) as store:
+        store.migrate()
+        store.put("tenant-a", b"before")
+        for round_ in range(3):
+            with psycopg.connect(isolated.dsn, autocommit=True) as admin:
+                ended = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'opledger-sdk' AND datname = current_database()"
+                ).fetchone()
+            assert ended is not None and ended[0] >= 1
+            payload = f"after {round_}".encode()
+            assert store.get("tenant-a", store.put("tenant-a", payload)) == payload
+
+
+def test_result_store_serves_threads_concurrently(isolated: Settings) -> None:
+    with ResultStore.connect(isolated.dsn) as store:
+        store.migrate()
+        with ThreadPoolExecutor(16) as pool:
+            refs = list(
+                pool.map(lambda i: store.put("tenant-a", f"payload {i}".encode()), range(400))
+            )
+        assert len(set(refs)) == 400
+        assert all(store.get("tenant-a", ref) is not None for ref in refs)
+
+
+def test_one_recorder_serves_sixteen_threads(isolated: Settings) -> None:
+    """Sixteen threads share one recorder (one producer, one pool): every call completes and
+    each operation's history is in order on its partition."""
+    calls_per_thread = 25
+
+    def work(thread: int) -> list[str]:
+        ops = []
+        for n in range(calls_per_thread):
+            op = shared.intent(TENANT, f"agent-{thread}", "send_email", {"t": thread, "n": n})
+            shared.dispatched(op, provider_ref=op.operation_id)
+            shared.succeeded(op, f"result {thread}/{n}".encode(), content_type="text/plain")
+            ops.append(op.operation_id)
+        return ops
+
+    with TransitionRecorder.connect(isolated) as shared, ThreadPoolExecutor(16) as pool:
+        ops = [op for batch in pool.map(work, range(16)) for op in batch]
+    assert len(set(ops)) == 16 * calls_per_thread
+    by_op: dict[str, list[ExecutionState]] = {}
+    for r in read_all(isolated, isolated.execution_topic):
+        by_op.setdefault(r.event.operation_id, []).append(r.event.state)  # type: ignore[arg-type]
+    assert set(by_op) == set(ops)
+    assert all(
+        states
+        == [ExecutionState.INTENT_RECORDED, ExecutionState.DISPATCHED, ExecutionState.SUCCEEDED]
+        for states in by_op.values()
+    )
+
+
+def test_the_asyncio_recorder_serves_sixteen_tasks(isolated: Settings) -> None:
+    async def scenario() -> list[str]:
+        async with AsyncTransitionRecorder.connect(isolated) as recorder:
+
+            async def call(n: int) -> str:
+                op = await recorder.intent(TENANT, ACTOR, "send_email", {"n": n})
+                await recorder.dispatched(op, provider_ref=op.operation_id)
+                await recorder.succeeded(op, f"result {n}".encode())
+                return op.operation_id
+
+            return list(await asyncio.gather(*(call(n) for n in range(16 * 10))))
+
+    ops = asyncio.run(scenario())
+    records = read_all(isolated, isolated.execution_topic)
+    assert len(set(ops)) == 160 and len(records) == 3 * 160
+    with ResultStore.connect(isolated.dsn) as store:
+        succeeded = [r.event for r in records if r.event.state is ExecutionState.SUCCEEDED]
+        assert all(store.get(TENANT, e.result_ref or "") is not None for e in succeeded)
+
+
+def test_a_dead_broker_is_named_and_its_client_log_goes_to_python_logging(
+    isolated: Settings, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    dead = isolated.with_(kafka_bootstrap=f"127.0.0.1:{port}")
+    caplog.set_level(logging.INFO, logger="opledger.kafka")
+    started = time.monotonic()
+    with (
+        TransitionRecorder.connect(dead, with_results=False, delivery_timeout_s=3) as rec,
+        pytest.raises(DeliveryTimeoutError) as caught,
+    ):
+        rec.intent(TENANT, ACTOR, "lookup", {})
+    assert time.monotonic() - started < 3 + 5 + 2
+    message = str(caught.value)
+    assert f"broker at 127.0.0.1:{port} is unreachable" in message
+    assert "topic" not in message and "resend" in message
+    assert caught.value.handle.in_doubt is not None
+    stderr = capfd.readouterr().err
+    assert "Connect to" not in stderr and "FAIL" not in stderr, stderr[-2000:]
+    kafka_lines = [r for r in caplog.records if r.name == "opledger.kafka"]
+    assert kafka_lines, "librdkafka's complaints reach Python logging"
+    # One connection failure repeats every reconnect backoff; the repeats are held back.
+    assert len(kafka_lines) <= 5, [r.getMessage() for r in kafka_lines]

@@ -12,6 +12,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.fold import Applied, ExecutionRecord, apply_execution
 from ledger.domain.ids import content_ref, event_id, operation_id, request_hash
 from ledger.domain.states import DeliveryState, ExecutionState
 
@@ -72,6 +73,25 @@ def delivery(state: DeliveryState, attempt: int, **overrides: Any) -> DeliveryTr
         fields["error"] = "destination answered 410 Gone"
     fields.update(overrides)
     return DeliveryTransitioned(**fields)
+
+
+def succeeded_execution(**overrides: Any) -> ExecutionRecord:
+    """The execution record a delivery of the default operation belongs to: SUCCEEDED with
+    RESULT, folded from its real history (intent, dispatch, success)."""
+    record = None
+    for state, attempt in (
+        (ExecutionState.INTENT_RECORDED, 0),
+        (ExecutionState.DISPATCHED, 1),
+        (ExecutionState.SUCCEEDED, 1),
+    ):
+        outcome = apply_execution(record, execution(state, attempt, **overrides))
+        assert isinstance(outcome, Applied), outcome
+        record = outcome.record
+    assert record is not None
+    return record
+
+
+SUCCEEDED = succeeded_execution()
 
 
 # --- hypothesis strategies -------------------------------------------------------------------

@@ -126,7 +126,7 @@ def _fold_all(events: Sequence[Transition]) -> None:
             execution = outcome.record
         else:
             assert isinstance(event, DeliveryTransitioned)
-            outcome = apply_delivery(deliveries.get(event.destination), event)
+            outcome = apply_delivery(deliveries.get(event.destination), event, execution)
             assert isinstance(outcome, Applied), outcome
             deliveries[event.destination] = outcome.record
 
@@ -350,9 +350,12 @@ def test_a_lost_append_ack_is_retried_as_a_repeat_never_as_a_new_call() -> None:
         ("SUCCEEDED", 1),
         ("SUCCEEDED", 1),
     ]
-    # Each repeat is a new event of the same (operation, state, attempt): the fold calls it a
-    # duplicate, so the projection applies it once.
-    assert len({e.event_id for e in execution}) == 6
+    # Each repeat is the very same event (same event id), resent while its outcome was in
+    # doubt: the fold calls it a duplicate, so the projection applies it once.
+    assert len({e.event_id for e in execution}) == 3
+    assert [e.event_id for e in execution[::2]] == [e.event_id for e in execution[1::2]]
+    sent = [r.value for r in transport.records if r.topic.endswith(".execution.v1")]
+    assert sent[0::2] == sent[1::2], "a resend carries byte-identical records"
     record = None
     outcomes = []
     for event in execution:

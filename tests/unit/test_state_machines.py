@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from itertools import pairwise, product
 
 import pytest
-from factories import OTHER_OP, RESULT, delivery, execution
+from factories import OTHER_OP, RESULT, SUCCEEDED, delivery, execution, succeeded_execution
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -19,6 +19,7 @@ from ledger.domain.fold import (
     Duplicate,
     ExecutionRecord,
     Rejected,
+    RejectionKind,
     apply_delivery,
     apply_execution,
 )
@@ -54,7 +55,7 @@ def fold_execution(events: Sequence[ExecutionTransitioned]) -> ExecutionRecord:
 def fold_delivery(events: Sequence[DeliveryTransitioned]) -> DeliveryRecord:
     record = None
     for event in events:
-        outcome = apply_delivery(record, event)
+        outcome = apply_delivery(record, event, SUCCEEDED)
         assert isinstance(outcome, Applied), f"{event.state}/{event.attempt}: {outcome}"
         record = outcome.record
     assert record is not None
@@ -151,7 +152,7 @@ def test_delivery_pairs_follow_the_table(
 ) -> None:
     record = fold_delivery([delivery(s, a) for s, a in path])
     attempt = record.attempts + 1 if to is D.SENT else record.attempts
-    outcome = apply_delivery(record, delivery(to, attempt))
+    outcome = apply_delivery(record, delivery(to, attempt), SUCCEEDED)
     if to in DELIVERY_TRANSITIONS[record.state]:
         assert isinstance(outcome, Applied), outcome
         assert outcome.record.state is to
@@ -174,7 +175,7 @@ def test_delivery_wrong_attempt_is_rejected(
         event = delivery(to, attempt)
     except ValidationError:
         return
-    outcome = apply_delivery(record, event)
+    outcome = apply_delivery(record, event, SUCCEEDED)
     assert not isinstance(outcome, Applied), outcome
     assert isinstance(outcome, Duplicate) == ((to, attempt) in record.seen)
 
@@ -205,7 +206,7 @@ def test_first_execution_event_must_be_the_intent(state: ExecutionState) -> None
 def test_first_delivery_event_must_be_pending_attempt_zero(
     state: DeliveryState, attempt: int
 ) -> None:
-    assert isinstance(apply_delivery(None, delivery(state, attempt)), Rejected)
+    assert isinstance(apply_delivery(None, delivery(state, attempt), SUCCEEDED), Rejected)
 
 
 def test_intent_record_copies_the_event() -> None:
@@ -246,9 +247,10 @@ def test_execution_identity_change_is_rejected(
 @pytest.mark.parametrize(("state", "attempt"), [(D.ACKED, 1), (D.SENT, 1)], ids=["next", "dup"])
 def test_delivery_tenant_change_is_rejected(state: DeliveryState, attempt: int) -> None:
     record = fold_delivery([delivery(s, a) for s, a in DELIVERY_PATHS[1]])  # SENT at 1
-    outcome = apply_delivery(record, delivery(state, attempt, tenant_id="tenant-b"))
+    outcome = apply_delivery(record, delivery(state, attempt, tenant_id="tenant-b"), SUCCEEDED)
     assert isinstance(outcome, Rejected), outcome
-    assert "tenant" in outcome.reason
+    assert outcome.kind is RejectionKind.FOREIGN_TENANT
+    assert "tenant-a" not in outcome.reason and "tenant-b" not in outcome.reason
 
 
 def test_another_operations_record_is_a_programming_error() -> None:
@@ -257,9 +259,13 @@ def test_another_operations_record_is_a_programming_error() -> None:
         apply_execution(record, execution(X.DISPATCHED, 1, operation_id=OTHER_OP))
     drecord = fold_delivery([delivery(D.PENDING, 0)])
     with pytest.raises(ValueError, match="another"):
-        apply_delivery(drecord, delivery(D.SENT, 1, destination="other-destination"))
+        apply_delivery(drecord, delivery(D.SENT, 1, destination="other-destination"), SUCCEEDED)
     with pytest.raises(ValueError, match="another"):
-        apply_delivery(drecord, delivery(D.SENT, 1, operation_id=OTHER_OP))
+        apply_delivery(
+            drecord,
+            delivery(D.SENT, 1, operation_id=OTHER_OP),
+            succeeded_execution(operation_id=OTHER_OP),
+        )
 
 
 def test_refs_are_kept_once_learned_and_error_is_per_state() -> None:
@@ -419,7 +425,7 @@ def delivery_streams(draw: st.DrawFn) -> list[DeliveryTransitioned]:
             state = draw(st.sampled_from(D))
             attempt = draw(st.integers(1 if state is D.SENT else 0, 4))
             event = delivery(state, attempt)
-        outcome = apply_delivery(record, event)
+        outcome = apply_delivery(record, event, SUCCEEDED)
         if isinstance(outcome, Applied):
             record = outcome.record
         events.append(event)
@@ -459,7 +465,7 @@ def test_delivery_fold_invariants(stream: list[DeliveryTransitioned]) -> None:
     record: DeliveryRecord | None = None
     accepted: list[DeliveryTransitioned] = []
     for event in stream:
-        outcome = apply_delivery(record, event)
+        outcome = apply_delivery(record, event, SUCCEEDED)
         if isinstance(outcome, Applied):
             record = outcome.record
             accepted.append(event)
@@ -476,7 +482,9 @@ def test_delivery_fold_invariants(stream: list[DeliveryTransitioned]) -> None:
     assert sent_increments_attempts_by_one(accepted)
     assert record_summarises_history(record, accepted)
     if record is not None:
-        assert duplicates_change_nothing(apply_delivery, record, accepted)
+        assert duplicates_change_nothing(
+            lambda r, e: apply_delivery(r, e, SUCCEEDED), record, accepted
+        )
         assert fold_delivery(accepted) == record
 
 

@@ -1,0 +1,135 @@
+"""The one place that builds Kafka client configurations, and where librdkafka's log goes.
+
+Every producer, consumer and admin client opledger creates takes its configuration from here, so
+durability (idempotence, acks), partitioning (murmur2, as Java clients) and logging are decided
+once. librdkafka's own log is routed into Python logging (logger ``opledger.kafka``) instead of
+stderr, and a repeated line - a client retrying a dead broker logs one every second or so - is
+written once, then summarised, instead of flooding the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+from ledger.settings import Settings
+
+#: How long a librdkafka line that repeats (digits aside) stays quiet after it was written.
+REPEAT_QUIET_S = 60.0
+
+# confluent-kafka maps librdkafka's syslog levels to Python's before calling us. librdkafka logs
+# routine connection failures (which it retries by itself) at ERR; they are warnings to us: an
+# error that matters reaches the caller through a delivery report or error_cb.
+_DOWNGRADE = {logging.ERROR: logging.WARNING}
+
+_DIGITS = re.compile(r"\d+")
+
+
+class _RepeatFilter(logging.Filter):
+    """Lets a line through once per :data:`REPEAT_QUIET_S`; counts what it held back."""
+
+    def __init__(self, quiet_s: float = REPEAT_QUIET_S) -> None:
+        super().__init__()
+        self._quiet_s = quiet_s
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # "after 1003ms", ports and broker ids change between repeats of the same complaint.
+        shape = _DIGITS.sub("#", record.getMessage())
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(shape)
+            if last is not None and now - last[0] < self._quiet_s:
+                self._last[shape] = (last[0], last[1] + 1)
+                return False
+            held = 0 if last is None else last[1]
+            self._last[shape] = (now, 0)
+            if len(self._last) > 1000:  # a bounded memory of shapes, oldest forgotten
+                oldest = min(self._last, key=lambda k: self._last[k][0])
+                del self._last[oldest]
+        if held:
+            record.msg = f"{record.msg} (and {held} more like it in the last {self._quiet_s:.0f}s)"
+        return True
+
+
+class _LibrdkafkaLogger(logging.LoggerAdapter[logging.Logger]):
+    """What confluent-kafka calls as ``logger.log(level, "%s [%s] %s", facility, client, text)``."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        self.logger.log(_DOWNGRADE.get(level, level), msg, *args, **kwargs)
+
+
+_log = logging.getLogger("opledger.kafka")
+_log.addFilter(_RepeatFilter())
+KAFKA_LOGGER = _LibrdkafkaLogger(_log, {})
+
+
+def _common(settings: Settings, client_id: str) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "client.id": client_id,
+        "logger": KAFKA_LOGGER,
+        # A restarted broker comes back on the same address; reconnect quickly but not in a
+        # tight loop (librdkafka backs off exponentially between these bounds).
+        "reconnect.backoff.ms": 100,
+        "reconnect.backoff.max.ms": 2000,
+    }
+
+
+def producer_config(
+    settings: Settings,
+    *,
+    client_id: str = "opledger-producer",
+    delivery_timeout_s: float = 10.0,
+    linger_ms: float = 0.0,
+    compression: str = "lz4",
+) -> dict[str, Any]:
+    """A producer whose acknowledgement means "durable, once, in order".
+
+    ``linger_ms`` is 0 by default: a caller waits for each acknowledgement, and a batching delay
+    that one call cannot use would be a floor under every step (5 ms measured per step). Under
+    concurrency librdkafka still batches whatever queued while a request was in flight.
+    """
+    return {
+        **_common(settings, client_id),
+        # Idempotence + acks=all: a retry inside the client cannot duplicate or reorder a record,
+        # and "acknowledged" means written to every in-sync replica.
+        "enable.idempotence": True,
+        "acks": "all",
+        "max.in.flight.requests.per.connection": 5,
+        "linger.ms": linger_ms,
+        "compression.type": compression,
+        # Upper bound on a call: without it a missing topic or a dead broker would make a
+        # caller hang for librdkafka's default of 300 s.
+        "delivery.timeout.ms": int(delivery_timeout_s * 1000),
+        # Java's default partitioner (murmur2): Java consumers computing key -> partition agree
+        # with us, and the execution and delivery topics (same partition count) put one
+        # operation's records on the same partition number.
+        "partitioner": "murmur2_random",
+    }
+
+
+def consumer_config(
+    settings: Settings, *, group_id: str, client_id: str = "opledger-consumer"
+) -> dict[str, Any]:
+    """A consumer that commits nothing by itself: every worker stores its position with its
+    effects and decides when Kafka's own offsets move."""
+    return {
+        **_common(settings, client_id),
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": False,
+        # Transactional writers (none yet) would otherwise expose aborted records.
+        "isolation.level": "read_committed",
+    }
+
+
+def admin_config(settings: Settings, *, client_id: str = "opledger-admin") -> dict[str, Any]:
+    """An admin client (topic creation, metadata, watermarks)."""
+    return _common(settings, client_id)
