@@ -41,7 +41,7 @@ def add_command(
 
 
 def _stack_up(args: argparse.Namespace, settings: Settings) -> int:
-    stack.up(settings)
+    stack.up(settings, workers=not args.no_workers)
     return 0
 
 
@@ -63,9 +63,28 @@ def register_stack(commands: Commands) -> None:
     """``opledger stack up|down|status|logs``."""
     parser = commands.add_parser("stack", help="the local Kafka + PostgreSQL stack")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    add_command(actions, "up", _stack_up, "start Kafka and PostgreSQL (idempotent), create topics")
-    add_command(actions, "down", _stack_down, "stop Kafka and PostgreSQL; data is kept")
-    add_command(actions, "status", _stack_status, "what runs where; exit 3 unless all healthy")
+    up = add_command(
+        actions,
+        "up",
+        _stack_up,
+        "start Kafka and PostgreSQL (idempotent), create topics, then the supervisor that keeps "
+        "the workers (the projector) running",
+    )
+    up.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="start only Kafka and PostgreSQL, no supervisor and no workers",
+    )
+    add_command(
+        actions, "down", _stack_down, "stop the workers, then Kafka and PostgreSQL; data is kept"
+    )
+    add_command(
+        actions,
+        "status",
+        _stack_status,
+        "what runs where, workers included; exit 3 unless Kafka and PostgreSQL are healthy "
+        "(workers are shown but do not change the exit code)",
+    )
     logs = add_command(actions, "logs", _stack_logs, "print the tail of the stack's logs")
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per log (default 40)")
 

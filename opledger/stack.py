@@ -1,4 +1,5 @@
-"""The local stack: one KRaft Kafka broker and one PostgreSQL server, on 127.0.0.1 only.
+"""The local stack: one KRaft Kafka broker and one PostgreSQL server, on 127.0.0.1 only, and
+the supervisor that keeps the workers (the projector) running on them.
 
 Everything lives under ``settings.home`` (outside the git tree): the broker's jars (resolved
 once by Maven), its data, PostgreSQL's cluster, pid files and logs. ``up`` is idempotent and
@@ -18,10 +19,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from confluent_kafka.admin import AdminClient
 
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
+from opledger import supervisor
 
 Echo = Callable[[str], None]
 
@@ -40,6 +45,11 @@ KAFKA_HEAP = "-Xmx1g"
 KAFKA_START_TIMEOUT = 120.0
 KAFKA_STOP_TIMEOUT = 30.0
 PG_START_TIMEOUT = 60
+SUPERVISOR_START_TIMEOUT = 15.0
+#: The supervisor gives its workers STOP_TIMEOUT_S after SIGTERM; this adds its own exit.
+SUPERVISOR_STOP_TIMEOUT = supervisor.STOP_TIMEOUT_S + 10.0
+#: How long `up` waits for a worker's ready URL (the projector needs a few seconds to serve).
+WORKERS_READY_TIMEOUT = 60.0
 
 
 class StackError(RuntimeError):
@@ -76,7 +86,7 @@ def _pg_socket_dir(settings: Settings) -> Path:
 
 
 def _run_dir(settings: Settings) -> Path:
-    return settings.home / "run"
+    return supervisor.run_dir(settings)
 
 
 def _kafka_pid_file(settings: Settings) -> Path:
@@ -90,6 +100,8 @@ def log_files(settings: Settings) -> dict[str, Path]:
         "kafka": logs / "kafka.log",
         "kafka-stdout": logs / "kafka.out",
         "postgres": logs / "postgres.log",
+        "supervisor": supervisor.supervisor_log(settings),
+        **{spec.name: supervisor.worker_log(settings, spec.name) for spec in supervisor.WORKERS},
     }
 
 
@@ -646,15 +658,120 @@ def _stop_postgres(settings: Settings, echo: Echo) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# the worker supervisor (opledger/supervisor.py)
+
+
+def start_supervisor(
+    settings: Settings, echo: Echo = print, env: Mapping[str, str] | None = None
+) -> int:
+    """Start the supervisor detached, unless one runs for this home; return its pid.
+
+    ``env`` replaces the inherited environment (tests pass their isolated settings' variables);
+    the supervisor and its workers read their settings from it.
+    """
+    running = supervisor.supervisor_pid(settings)
+    if running is not None:
+        return running
+    _prepare_home(settings)
+    log = supervisor.supervisor_log(settings)
+    with log.open("ab") as out:
+        # A session of its own, like the broker: it must outlive this command and ignore the
+        # terminal's Ctrl-C; its workers join that session, so `down` can find all of them.
+        process = subprocess.Popen(  # our interpreter and module; no shell
+            [sys.executable, "-m", "opledger.supervisor"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=settings.home,
+            env=None if env is None else dict(env),
+        )
+    deadline = time.monotonic() + SUPERVISOR_START_TIMEOUT
+    while supervisor.supervisor_pid(settings) != process.pid:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise StackError(
+                f"the worker supervisor did not start (exit {process.poll()}); last log lines:\n"
+                + _tail(log, 15)
+            )
+        time.sleep(0.1)
+    names = ", ".join(spec.name for spec in supervisor.WORKERS)
+    echo(f"supervisor: started (pid {process.pid}) running {names}; log {log}")
+    return process.pid
+
+
+def wait_workers_ready(
+    settings: Settings, echo: Echo = print, timeout: float = WORKERS_READY_TIMEOUT
+) -> bool:
+    """Wait until every worker with a ready URL answers 200; False (and say so) on timeout.
+
+    Not an error: the supervisor keeps restarting a worker that fails, and ``status`` shows it.
+    Waiting matters because ``opledger demo`` starts a projector of its own unless one serves.
+    """
+    deadline = time.monotonic() + timeout
+    ready = True
+    for spec in supervisor.WORKERS:
+        if spec.ready_url is None:
+            continue
+        url = spec.ready_url(settings)
+        while not _answers(url):
+            if time.monotonic() > deadline:
+                echo(
+                    f"{spec.name}: not serving {url} after {timeout:.0f}s; the supervisor keeps "
+                    f"restarting it: see `opledger stack status` and "
+                    f"{supervisor.worker_log(settings, spec.name)}"
+                )
+                ready = False
+                break
+            time.sleep(0.3)
+        else:
+            echo(f"{spec.name}: serving {url}")
+    return ready
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:  # a fixed local URL
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
+    """SIGTERM the supervisor, which stops its workers first; SIGKILL its session if it hangs."""
+    pid = supervisor.supervisor_pid(settings)
+    if pid is None:
+        echo("supervisor: not running")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + SUPERVISOR_STOP_TIMEOUT
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    if _alive(pid):
+        echo(f"supervisor: no exit {SUPERVISOR_STOP_TIMEOUT:.0f}s after SIGTERM, sending SIGKILL")
+        # Its workers die with it (PR_SET_PDEATHSIG); the process group catches any left over,
+        # but only when it is the supervisor's own group (started by `up`), never a shell's.
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.1)
+    echo(f"supervisor: stopped (pid {pid}) with its workers")
+
+
+# ---------------------------------------------------------------------------------------------
 # commands
 
 
-def up(settings: Settings, echo: Echo = print) -> None:
-    """Start whatever is not running, wait until healthy, create the topics."""
+def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
+    """Start whatever is not running, wait until healthy, create the topics; then, unless
+    ``workers`` is False, the supervisor of the workers (waiting until they serve)."""
     with _locked(settings):
         kafka_ok = kafka_pid(settings) is not None and kafka_healthy(settings)
         pg_ok = postgres_pid(settings) is not None and postgres_version(settings) is not None
-        if kafka_ok and pg_ok:
+        supervised = supervisor.supervisor_pid(settings) is not None
+        if kafka_ok and pg_ok and (supervised or not workers):
             echo("stack already running")
         # PostgreSQL first: it is quick and independent, so a Kafka problem (port taken, no
         # java) still leaves the database usable and the error names only what is wrong.
@@ -673,11 +790,18 @@ def up(settings: Settings, echo: Echo = print) -> None:
                 f"stack up: kafka {settings.bootstrap_servers}, postgres {settings.dsn}, "
                 f"topics {', '.join(s.name for s in specs)}"
             )
+        # Last, on healthy servers: a worker started earlier would only crash and back off.
+        if workers and not supervised:
+            start_supervisor(settings, echo)
+            wait_workers_ready(settings, echo)
 
 
 def down(settings: Settings, echo: Echo = print) -> None:
-    """Stop the broker and the database server (data stays for the next ``up``)."""
+    """Stop the supervisor and its workers, then the broker and the database server (data
+    stays for the next ``up``)."""
     with _locked(settings):
+        # Workers first: stopped after the servers, they would crash and be restarted in vain.
+        stop_supervisor(settings, echo)
         _stop_kafka(settings, echo)
         _stop_postgres(settings, echo)
 
@@ -727,10 +851,17 @@ def components(settings: Settings) -> list[Component]:
 
 
 def status(settings: Settings, echo: Echo = print) -> bool:
-    """Print what runs where; True when both servers are healthy."""
+    """Print what runs where; True when both servers are healthy.
+
+    Workers are shown (running, restarting or stopped) but do not decide the result: the
+    servers are what `status` vouches for (CI and scripts wait on it, and `up --no-workers` is
+    a supported setup), and a failing worker is already being restarted by the supervisor.
+    """
     found = components(settings)
     for component in found:
         echo(component.line())
+    for line in supervisor.status_lines(settings):
+        echo(line)
     echo(f"logs      {settings.home / 'logs'}")
     return all(component.healthy for component in found)
 

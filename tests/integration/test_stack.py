@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, re-
 
 from ledger.settings import Settings
 from ledger.topics import topic_specs
-from opledger import cli, stack
+from opledger import cli, stack, supervisor
 
 
 def test_status_is_healthy_after_up(stack_settings: Settings) -> None:
@@ -34,13 +35,31 @@ def test_second_up_is_fast_and_downloads_nothing(stack_settings: Settings) -> No
     libs = stack_settings.home / f"kafka-{stack_settings.kafka_version}" / "libs"
     marker = libs.parent / "jars.complete"
     before = (libs.stat().st_mtime_ns, marker.stat().st_mtime_ns)
+    supervisor_before = supervisor.supervisor_pid(stack_settings)
     lines: list[str] = []
     started = time.monotonic()
     stack.up(stack_settings, echo=lines.append)
     elapsed = time.monotonic() - started
     assert elapsed < 5, f"second up took {elapsed:.1f}s"
+    # "already running" covers the supervisor too: the first up (the fixture) started it.
     assert lines == ["stack already running"]
     assert (libs.stat().st_mtime_ns, marker.stat().st_mtime_ns) == before
+    assert supervisor_before is not None
+    assert supervisor.supervisor_pid(stack_settings) == supervisor_before
+
+
+def test_up_starts_the_supervisor_and_status_shows_its_workers(stack_settings: Settings) -> None:
+    lines: list[str] = []
+    stack.status(stack_settings, echo=lines.append)
+    pid = supervisor.supervisor_pid(stack_settings)
+    assert pid is not None, "the fixture's `stack.up` starts the supervisor"
+    assert any(line.startswith(f"supervisor running  pid {pid} ") for line in lines), lines
+    assert any(re.match(r"projector +(running|restarting) +pid ", line) for line in lines), lines
+
+
+def test_cli_up_accepts_no_workers() -> None:
+    assert cli.build_parser().parse_args(["stack", "up", "--no-workers"]).no_workers
+    assert not cli.build_parser().parse_args(["stack", "up"]).no_workers
 
 
 def test_topics_have_configured_partitions_and_retention(stack_settings: Settings) -> None:
