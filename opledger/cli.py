@@ -54,6 +54,11 @@ def _stack_status(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if stack.status(settings) else EXIT_UNHEALTHY
 
 
+def _stack_restart(args: argparse.Namespace, settings: Settings) -> int:
+    stack.restart(settings, args.service, kill=args.kill)
+    return 0
+
+
 def _stack_logs(args: argparse.Namespace, settings: Settings) -> int:
     stack.logs(settings, lines=args.lines)
     return 0
@@ -84,6 +89,16 @@ def register_stack(commands: Commands) -> None:
         _stack_status,
         "what runs where, workers included; exit 3 unless Kafka and PostgreSQL are healthy "
         "(workers are shown but do not change the exit code)",
+    )
+    restart = add_command(
+        actions,
+        "restart",
+        _stack_restart,
+        "stop and start kafka or postgres while the workers keep running",
+    )
+    restart.add_argument("service", choices=("kafka", "postgres"))
+    restart.add_argument(
+        "--kill", action="store_true", help="kafka only: SIGKILL the broker instead of stopping it"
     )
     logs = add_command(actions, "logs", _stack_logs, "print the tail of the stack's logs")
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per log (default 40)")

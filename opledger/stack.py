@@ -796,6 +796,29 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             wait_workers_ready(settings, echo)
 
 
+def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool = False) -> None:
+    """Stop and start one server (``kafka`` or ``postgres``) while the workers keep running:
+    what an operator does for an upgrade, and what the chaos tests do to prove the workers
+    ride it out. ``kill`` stops the broker with SIGKILL instead of a controlled shutdown."""
+    with _locked(settings):
+        if service == "postgres":
+            _stop_postgres(settings, echo)
+            _start_postgres(settings, echo)
+        elif service == "kafka":
+            pid = kafka_pid(settings)
+            if kill and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                while _alive(pid):
+                    time.sleep(0.05)
+                _kafka_pid_file(settings).unlink(missing_ok=True)
+                echo(f"kafka: killed (pid {pid})")
+            else:
+                _stop_kafka(settings, echo)
+            _start_kafka(settings, echo)
+        else:
+            raise StackError(f"unknown service {service!r}: restart kafka or postgres")
+
+
 def down(settings: Settings, echo: Echo = print) -> None:
     """Stop the supervisor and its workers, then the broker and the database server (data
     stays for the next ``up``)."""

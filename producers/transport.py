@@ -126,6 +126,9 @@ class KafkaTransport:
         config.update(extra_config or {})
         config["error_cb"] = self._on_client_error
         self._bootstrap = settings.bootstrap_servers
+        self._config = config
+        self._factory = producer_factory
+        self._swap_lock = threading.Lock()
         self._producer = producer_factory(config)
         self._wait_s = delivery_timeout_s + _REPORT_GRACE_S
         self._fatal: KafkaError | None = None
@@ -140,10 +143,24 @@ class KafkaTransport:
     # -- callbacks (run in the poller thread) ----------------------------------------------------
 
     def _serve_reports(self) -> None:
-        poll = self._producer.poll
         while not self._closing.is_set():
             # Returns as soon as a report arrives; the timeout only bounds how long close() waits.
-            poll(0.1)
+            self._producer.poll(0.1)
+
+    def _replace_producer(self) -> None:
+        """After a fatal error (an idempotent producer whose sequence broke, say, across a broker
+        restart) the old client may send nothing more: start a fresh one, so a long-lived
+        recorder carries on. Records the old one still held get no report: their callers time
+        out, are in doubt, and resend through the new client."""
+        with self._swap_lock:
+            fatal = self._fatal
+            if fatal is None:
+                return
+            log.warning("replacing the Kafka producer after a fatal error: %s", fatal.str())
+            old, self._producer = self._producer, self._factory(self._config)
+            self._fatal = None
+        old.purge()  # nothing of it will be reported anyway
+        old.flush(0)
 
     def _on_client_error(self, err: KafkaError) -> None:
         # Connection trouble is retried by librdkafka and surfaces per record if it lasts; it is
@@ -165,11 +182,7 @@ class KafkaTransport:
     def submit(self, records: Sequence[OutgoingRecord]) -> _Reports:
         """Hand every record to the producer; the returned reports fill in as acks arrive."""
         if self._fatal is not None:
-            raise DeliveryError(
-                f"the Kafka producer is unusable after a fatal error ({self._fatal.str()}); "
-                "close this recorder and connect a new one",
-                self._fatal,
-            )
+            self._replace_producer()
         reports = _Reports(len(records))
         callback = reports.on_delivery
         produce = self._producer.produce

@@ -335,11 +335,14 @@ class PostgresProjection:
         self._staging_ready = True
 
     def positions(self, consumer: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
-        rows = self._conn.execute(
-            "SELECT topic, partition, next_offset FROM projector_offsets "
-            "WHERE consumer = %s AND topic = ANY(%s)",
-            (consumer, list(topics)),
-        ).fetchall()
+        try:
+            rows = self._conn.execute(
+                "SELECT topic, partition, next_offset FROM projector_offsets "
+                "WHERE consumer = %s AND topic = ANY(%s)",
+                (consumer, list(topics)),
+            ).fetchall()
+        except _UNAVAILABLE as exc:
+            raise SinkUnavailableError(f"PostgreSQL unavailable: {_first_line(exc)}") from exc
         return {(t, p): n for t, p, n in rows}
 
     def open_ages(self) -> OpenAges:
