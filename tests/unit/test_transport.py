@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from confluent_kafka import KafkaError
@@ -22,7 +22,7 @@ RECORD = OutgoingRecord("t", b"k", b"v", [])
 class StandInProducer:
     """Acknowledges what it is given on the next poll(); ``fail`` makes every report an error."""
 
-    made: list[StandInProducer] = []
+    made: ClassVar[list[StandInProducer]] = []
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
