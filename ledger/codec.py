@@ -23,7 +23,13 @@ from fastavro.schema import to_parsing_canonical_form
 from pydantic import ValidationError
 
 from ledger.avro_binary import CorruptBodyError, PlainRecord, utc_micros
-from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
+from ledger.domain.events import (
+    DeliveryTransitioned,
+    ExecutionTransitioned,
+    OperationEvent,
+    OwnershipTaken,
+    ReconciliationDecided,
+)
 
 __all__ = [
     "DELIVERY_RECORD",
@@ -39,6 +45,17 @@ MARKER = b"\xc3\x01"
 HEADER_LENGTH = len(MARKER) + 8
 EXECUTION_RECORD = "opledger.v1.ExecutionTransitioned"
 DELIVERY_RECORD = "opledger.v1.DeliveryTransitioned"
+OWNERSHIP_RECORD = "opledger.v1.OwnershipTaken"
+DECISION_RECORD = "opledger.v1.ReconciliationDecided"
+
+#: Every record the topics carry, by Avro full name, and the domain model it decodes to.
+MODELS: dict[str, type[OperationEvent]] = {
+    EXECUTION_RECORD: ExecutionTransitioned,
+    DELIVERY_RECORD: DeliveryTransitioned,
+    OWNERSHIP_RECORD: OwnershipTaken,
+    DECISION_RECORD: ReconciliationDecided,
+}
+_RECORD_OF: dict[type, str] = {model: name for name, model in MODELS.items()}
 
 _CRC64_EMPTY = 0xC15D213AA4D7A795
 
@@ -112,7 +129,7 @@ class Codec:
         for path in archived:
             schema = _load(path)
             self._by_fingerprint.setdefault(schema.fingerprint, schema)
-        missing = {EXECUTION_RECORD, DELIVERY_RECORD} - self._current.keys()
+        missing = MODELS.keys() - self._current.keys()
         if missing:
             raise RuntimeError(f"schemas missing from {list(schema_dirs())}: {sorted(missing)}")
 
@@ -122,18 +139,11 @@ class Codec:
     def fingerprint(self, record_name: str) -> bytes:
         return self._current[record_name].fingerprint
 
-    def encode(self, event: Transition) -> bytes:
+    def encode(self, event: OperationEvent) -> bytes:
         """One event as a single-object-encoded Avro record."""
-        schema = self._current[
-            EXECUTION_RECORD if isinstance(event, ExecutionTransitioned) else DELIVERY_RECORD
-        ]
+        schema = self._current[_RECORD_OF[type(event)]]
         if schema.plain is None:
-            datum = (
-                execution_to_avro(event)
-                if isinstance(event, ExecutionTransitioned)
-                else delivery_to_avro(event)
-            )
-            return self.encode_datum(schema.name, datum)
+            return self.encode_datum(schema.name, event.model_dump(exclude={"kind"}))
         # The model's attributes, read directly: the same values model_dump would give
         # (every schema field is a model field; a unit test proves it) without building a dict.
         out = bytearray(MARKER)
@@ -180,13 +190,14 @@ class Codec:
             raise DecodeError(f"{len(data) - end} trailing bytes after the {writer.name} body")
         return writer.name, datum
 
-    def decode(self, data: bytes) -> Transition:
+    def decode(self, data: bytes) -> OperationEvent:
         """Bytes from a topic -> a validated domain event; raises DecodeError with the reason."""
         name, datum = self.decode_datum(data)
+        model = MODELS.get(name)
+        if model is None:
+            raise DecodeError(f"{name} is not a record the operation topics carry")
         try:
-            if name == EXECUTION_RECORD:
-                return ExecutionTransitioned.model_validate(datum)
-            return DeliveryTransitioned.model_validate(datum)
+            return model.model_validate(datum)
         except ValidationError as exc:
             raise DecodeError(f"invalid {name}: {_summarise(exc)}") from exc
 

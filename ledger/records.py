@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ledger.domain.events import Transition
+from ledger.domain.events import OperationEvent
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -25,7 +25,7 @@ class SourcedEvent:
     """A decoded, validated event and where it was read from."""
 
     coordinates: Coordinates
-    event: Transition
+    event: OperationEvent
     timestamp_ms: int
 
 

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
+    from ledger.transport import OutgoingRecord, Transport
     from producers.executor import ExecutionReport
     from producers.provider import FakeDestination, FakeProvider
-    from producers.transport import OutgoingRecord, Transport
     from projections.queries import Summary
 
 #: Exit codes: 1 when the run finished but an invariant or a cross-check failed; 2 when it could
@@ -346,7 +346,7 @@ class _LostAcks:
         self._rng = rng
 
     def send(self, records: Sequence[OutgoingRecord]) -> None:
-        from producers.errors import DeliveryTimeoutError  # noqa: PLC0415
+        from ledger.errors import DeliveryTimeoutError  # noqa: PLC0415
 
         self._inner.send(records)
         if self._rng.random() < self._rate:

@@ -52,12 +52,10 @@ class Workload:
         return int(self._now.timestamp() * 1000)
 
     def _maybe_repeat(self, out: list[Transition]) -> None:
-        """Sometimes append the last event again under a new event id, as a service that
-        retries its own append after a lost acknowledgement would."""
+        """Sometimes append the last event again, identical (same event id), as a service that
+        resends an append whose acknowledgement it lost does."""
         if self._rng.random() < self._mix.duplicate_append:
-            out.append(
-                out[-1].model_copy(update={"event_id": event_id(self._ms(), self._entropy())})
-            )
+            out.append(out[-1])
 
     def operation(self) -> list[Transition]:
         """The events of one operation, in order (with occasional repeated appends)."""

@@ -103,6 +103,14 @@ def reader_config(settings: Settings) -> ReaderConfig:
     )
 
 
+#: The kinds of event each operation topic carries: a transition of its machine, and on the
+#: execution topic the ownership changes and decisions that must be ordered with it.
+TOPIC_KINDS = {
+    "execution": frozenset({"execution", "ownership", "decision"}),
+    "delivery": frozenset({"delivery"}),
+}
+
+
 def classify(
     codec: Codec,
     *,
@@ -121,10 +129,10 @@ def classify(
         event = codec.decode(value)
     except DecodeError as exc:
         return DeadLetter(coords, str(exc), key, value, timestamp_ms)
-    expected_machine = "execution" if ".execution." in topic else "delivery"
-    if event.kind != expected_machine:
+    machine = "execution" if ".execution." in topic else "delivery"
+    if event.kind not in TOPIC_KINDS[machine]:
         return DeadLetter(
-            coords, f"{event.kind} event on the {expected_machine} topic", key, value, timestamp_ms
+            coords, f"{event.kind} event on the {machine} topic", key, value, timestamp_ms
         )
     # One operation's history must live on one partition; a record keyed otherwise could be
     # folded out of order by another partition's batch, so it is refused rather than guessed at.

@@ -15,9 +15,7 @@ carry only their ``sha256:`` reference.
         recorder.delivery_pending(op, "https://hooks.example.com/events")
 """
 
-from ledger.kafka import producer_config
-from producers.aio import AsyncTransitionRecorder
-from producers.errors import (
+from ledger.errors import (
     DeliveryError,
     DeliveryTimeoutError,
     IllegalTransitionError,
@@ -26,15 +24,17 @@ from producers.errors import (
     RecordError,
     ResultStoreError,
 )
-from producers.operation import OperationState, TrackedOperation
-from producers.recorder import TransitionRecorder, clean_error
-from producers.results import MAX_RESULT_BYTES, ResultStore
-from producers.transport import (
+from ledger.kafka import producer_config
+from ledger.results import MAX_RESULT_BYTES, ResultStore
+from ledger.transport import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
     OutgoingRecord,
     Transport,
 )
+from producers.aio import AsyncTransitionRecorder
+from producers.operation import OperationState, TrackedOperation
+from producers.recorder import TransitionRecorder, clean_error
 
 __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",

@@ -25,14 +25,14 @@ from typing import Any, Self
 from ledger.codec import Codec
 from ledger.domain.events import Transition
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.errors import DeliveryError, IllegalTransitionError, RecordError
 from ledger.faults import fault_point
 from ledger.metrics import Metrics
+from ledger.results import ResultStore
 from ledger.settings import Settings
-from producers.errors import DeliveryError, IllegalTransitionError, RecordError
+from ledger.transport import DEFAULT_DELIVERY_TIMEOUT_S, KafkaTransport, Transport
 from producers.operation import TrackedOperation, as_aware
 from producers.recorder import Clock, Entropy, Plan, RecorderCore, clean_error
-from producers.results import ResultStore
-from producers.transport import DEFAULT_DELIVERY_TIMEOUT_S, KafkaTransport, Transport
 
 
 class AsyncTransitionRecorder(RecorderCore):

@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 from ledger.domain.ids import idempotency_key
 from ledger.domain.states import DeliveryState, ExecutionState
-from producers.errors import DeliveryTimeoutError
+from ledger.errors import DeliveryTimeoutError
 from producers.operation import TrackedOperation
 from producers.provider import Destination, ToolProvider
 from producers.recorder import TransitionRecorder, clean_error

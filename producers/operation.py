@@ -16,18 +16,20 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from ledger.domain.events import ExecutionTransitioned, Transition
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, OperationEvent
 from ledger.domain.fold import (
     Applied,
     DeliveryRecord,
     Duplicate,
     ExecutionRecord,
     Rejected,
+    RejectionKind,
+    apply_control,
     apply_delivery,
     apply_execution,
 )
 from ledger.domain.states import DeliveryState, ExecutionState
-from producers.errors import IllegalTransitionError, InvalidTransitionError
+from ledger.errors import ConflictError, IllegalTransitionError, InvalidTransitionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +42,22 @@ class OperationState:
     deliveries: Mapping[str, DeliveryRecord] = field(default_factory=dict)
 
 
-def advance(state: OperationState, event: Transition) -> OperationState | None:
+def advance(state: OperationState, event: OperationEvent) -> OperationState | None:
     """Fold ``event`` into ``state``: the new snapshot, or None if it is a duplicate.
 
-    Raises :class:`IllegalTransitionError` with the fold's reason when the event is refused.
+    Raises :class:`IllegalTransitionError` with the fold's reason when the event is refused
+    (:class:`ConflictError` when another event already recorded the same step).
     """
     if event.operation_id != state.operation_id:
         raise IllegalTransitionError(
             f"event for {event.operation_id} folded into {state.operation_id}"
         )
-    if isinstance(event, ExecutionTransitioned):
-        outcome = apply_execution(state.execution, event)
+    if not isinstance(event, DeliveryTransitioned):
+        outcome = (
+            apply_execution(state.execution, event)
+            if isinstance(event, ExecutionTransitioned)
+            else apply_control(state.execution, event)
+        )
         if isinstance(outcome, Applied):
             return OperationState(state.operation_id, outcome.record, state.deliveries)
         _refuse_unless_duplicate(outcome)
@@ -69,6 +76,8 @@ def advance(state: OperationState, event: Transition) -> OperationState | None:
 
 def _refuse_unless_duplicate(outcome: Duplicate | Rejected) -> None:
     if isinstance(outcome, Rejected):
+        if outcome.kind is RejectionKind.CONFLICT:
+            raise ConflictError(outcome.reason)
         raise IllegalTransitionError(outcome.reason)
 
 
@@ -102,7 +111,7 @@ class InDoubt:
     """Appends whose outcome is unknown (their acknowledgement failed or timed out): the exact
     records to send again, and the state the handle moves to once they are acknowledged."""
 
-    events: tuple[Transition, ...]
+    events: tuple[OperationEvent, ...]
     records: tuple[Any, ...]
     advanced: OperationState
 

@@ -44,15 +44,23 @@ from ledger.domain.states import (
     DeliveryState,
     ExecutionState,
 )
-from ledger.faults import fault_point
-from ledger.metrics import Metrics
-from ledger.settings import Settings
-from producers.errors import (
+from ledger.errors import (
+    ConflictError,
     DeliveryError,
     IllegalTransitionError,
     InDoubtError,
     InvalidTransitionError,
     RecordError,
+)
+from ledger.faults import fault_point
+from ledger.metrics import Metrics
+from ledger.results import ResultStore
+from ledger.settings import Settings
+from ledger.transport import (
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    KafkaTransport,
+    OutgoingRecord,
+    Transport,
 )
 from producers.operation import (
     InDoubt,
@@ -63,13 +71,6 @@ from producers.operation import (
     delivery_result_ref,
     next_delivery_attempt,
     next_execution_attempt,
-)
-from producers.results import ResultStore
-from producers.transport import (
-    DEFAULT_DELIVERY_TIMEOUT_S,
-    KafkaTransport,
-    OutgoingRecord,
-    Transport,
 )
 
 SCHEMA_HEADER = "opledger-schema"
@@ -192,16 +193,15 @@ class RecorderCore:
             result_ref = ids.content_ref(bytes(result))
         elif result is not None:
             result_ref = result
-        if (
-            state is ExecutionState.SUCCEEDED
-            and current.state is ExecutionState.SUCCEEDED
-            and result_ref != current.result_ref
-        ):
-            # The fold would call this a duplicate and silently keep the first result.
-            raise IllegalTransitionError(
-                f"{current.operation_id} already SUCCEEDED with {current.result_ref}; "
-                "nothing was sent"
-            )
+        if state is current.state and next_execution_attempt(current, state) == current.attempt:
+            # This handle already recorded this very step: a repeated call sends nothing (a new
+            # event for it would be a conflict with the one on the topic).
+            if state is ExecutionState.SUCCEEDED and result_ref != current.result_ref:
+                raise ConflictError(
+                    f"{current.operation_id} already SUCCEEDED with {current.result_ref}; "
+                    "nothing was sent"
+                )
+            return None
         event = self._build(
             ExecutionTransitioned,
             operation_id=current.operation_id,
@@ -243,6 +243,9 @@ class RecorderCore:
                 f"illegal delivery transition {current.state} -> {state} ({destination}); "
                 "nothing was sent"
             )
+        attempt_now = next_delivery_attempt(current, state) if attempt is None else attempt
+        if current is not None and state is current.state and attempt_now == current.attempts:
+            return None  # this step is already recorded by this handle: nothing to send
         execution = snapshot.execution
         if execution is None:
             raise IllegalTransitionError(
@@ -255,7 +258,7 @@ class RecorderCore:
             operation_id=handle.operation_id,
             tenant_id=execution.tenant_id,
             actor_id=actor_id or execution.actor_id,
-            attempt=next_delivery_attempt(current, state) if attempt is None else attempt,
+            attempt=attempt_now,
             destination=destination,
             state=state,
             result_ref=delivery_result_ref(snapshot),
@@ -387,9 +390,12 @@ def _require_settled(handle: TrackedOperation) -> None:
     if pending is None:
         return
     last = pending.events[-1]
-    what = f"{last.state} attempt {last.attempt}"
-    if isinstance(last, DeliveryTransitioned):
-        what = f"delivery to {last.destination} {what}"
+    if isinstance(last, ExecutionTransitioned):
+        what = f"{last.state} attempt {last.attempt}"
+    elif isinstance(last, DeliveryTransitioned):
+        what = f"delivery to {last.destination} {last.state} attempt {last.attempt}"
+    else:
+        what = f"{last.kind} event"
     raise InDoubtError(
         f"{handle.operation_id}: the append of {what} ({last.event_id}) failed or timed out, "
         "so it may or may not be recorded. Call recorder.resend(handle) until it succeeds; "

@@ -22,7 +22,12 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.events import (
+    DeliveryTransitioned,
+    ExecutionTransitioned,
+    OwnershipTaken,
+    ReconciliationDecided,
+)
 from ledger.domain.fold import (
     Applied,
     DeliveryRecord,
@@ -30,10 +35,10 @@ from ledger.domain.fold import (
     ExecutionRecord,
     Rejected,
     RejectionKind,
+    apply_control,
     apply_delivery,
     apply_execution,
 )
-from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.records import (
     DeadLetter,
     OpenAges,
@@ -43,41 +48,21 @@ from ledger.records import (
     SinkUnavailableError,
     SourcedEvent,
 )
+from ledger.rows import (
+    DELIVERY_COLUMNS,
+    OP_COLUMNS,
+    columns,
+    delivery_from_row,
+    delivery_row,
+    execution_from_row,
+    execution_row,
+)
 from projections.schema import apply_migrations
 
-_OP_COLUMNS = (
-    "operation_id",
-    "tenant_id",
-    "actor_id",
-    "tool_name",
-    "request_hash",
-    "execution_state",
-    "attempt",
-    "provider_ref",
-    "result_ref",
-    "error",
-    "created_at",
-    "updated_at",
-    "state_entered_at",
-    "version",
-    "seen",
-)
-_DELIVERY_COLUMNS = (
-    "operation_id",
-    "destination",
-    "tenant_id",
-    "actor_id",
-    "state",
-    "attempts",
-    "result_ref",
-    "next_attempt_at",
-    "error",
-    "created_at",
-    "updated_at",
-    "state_entered_at",
-    "version",
-    "seen",
-)
+_OP_COLUMNS = OP_COLUMNS
+#: New rows also get the partition the operation lives on (the recovery worker's unit of work).
+_OP_INSERT_COLUMNS = (*OP_COLUMNS, "kafka_partition")
+_DELIVERY_COLUMNS = DELIVERY_COLUMNS
 _HISTORY_COLUMNS = (
     "topic",
     "partition",
@@ -139,73 +124,24 @@ def storable(text: str, limit: int = 2000) -> str:
     return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()[:limit]
 
 
-def _cols(columns: Iterable[str]) -> str:
-    return ", ".join(f'"{c}"' for c in columns)
-
-
-def _seen_text(seen: Iterable[tuple[Any, int]]) -> list[str]:
-    return sorted(f"{state}:{attempt}" for state, attempt in seen)
-
-
-def _parse_seen_execution(values: Sequence[str]) -> frozenset[tuple[ExecutionState, int]]:
-    pairs = (v.rsplit(":", 1) for v in values)
-    return frozenset((ExecutionState(s), int(a)) for s, a in pairs)
-
-
-def _parse_seen_delivery(values: Sequence[str]) -> frozenset[tuple[DeliveryState, int]]:
-    pairs = (v.rsplit(":", 1) for v in values)
-    return frozenset((DeliveryState(s), int(a)) for s, a in pairs)
-
-
-# ``state._value_`` rather than ``state.value``: the same string, read as a plain attribute
-# instead of through the enum's property (one of these per event and per changed row).
-
-
-def _op_row(r: ExecutionRecord) -> tuple[Any, ...]:
-    return (
-        r.operation_id,
-        r.tenant_id,
-        r.actor_id,
-        r.tool_name,
-        r.request_hash,
-        r.state._value_,
-        r.attempt,
-        r.provider_ref,
-        r.result_ref,
-        r.error,
-        r.created_at,
-        r.updated_at,
-        r.state_entered_at,
-        r.version,
-        _seen_text(r.seen),
-    )
-
-
-def _delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
-    return (
-        r.operation_id,
-        r.destination,
-        r.tenant_id,
-        r.actor_id,
-        r.state._value_,
-        r.attempts,
-        r.result_ref,
-        r.next_attempt_at,
-        r.error,
-        r.created_at,
-        r.updated_at,
-        r.state_entered_at,
-        r.version,
-        _seen_text(r.seen),
-    )
+def _cols(names: Iterable[str]) -> str:
+    return columns(names)
 
 
 def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
     c, e = item.coordinates, item.event
+    destination = provider_ref = result_ref = error = None
     if isinstance(e, ExecutionTransitioned):
-        machine, destination, provider_ref = "execution", None, e.provider_ref
+        machine, state = "execution", e.state._value_
+        provider_ref, result_ref, error = e.provider_ref, e.result_ref, e.error
+    elif isinstance(e, DeliveryTransitioned):
+        machine, state, destination = "delivery", e.state._value_, e.destination
+        result_ref, error = e.result_ref, e.error
+    elif isinstance(e, OwnershipTaken):
+        machine, state, error = "control", "OWNERSHIP_TAKEN", e.reason
     else:
-        machine, destination, provider_ref = "delivery", e.destination, None
+        machine, state = "control", f"DECISION:{e.decision._value_}"
+        provider_ref, result_ref, error = e.provider_ref, e.result_ref, e.reason
     return (
         c.topic,
         c.partition,
@@ -216,12 +152,57 @@ def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
         e.actor_id,
         machine,
         destination,
-        e.state._value_,
+        state,
         e.attempt,
         outcome,
         provider_ref,
+        result_ref,
+        error,
+        e.occurred_at,
+    )
+
+
+_RECONCILIATION_COLUMNS = (
+    "topic",
+    "partition",
+    "offset",
+    "event_id",
+    "operation_id",
+    "tenant_id",
+    "actor_id",
+    "attempt",
+    "decision",
+    "lookup",
+    "provider_ref",
+    "result_ref",
+    "policy_version",
+    "policy_allowed",
+    "lease_token",
+    "reason",
+    "occurred_at",
+)
+
+
+def _reconciliation_row(item: SourcedEvent) -> tuple[Any, ...]:
+    c, e = item.coordinates, item.event
+    assert isinstance(e, ReconciliationDecided)
+    return (
+        c.topic,
+        c.partition,
+        c.offset,
+        e.event_id,
+        e.operation_id,
+        e.tenant_id,
+        e.actor_id,
+        e.attempt,
+        e.decision._value_,
+        e.lookup._value_,
+        e.provider_ref,
         e.result_ref,
-        e.error,
+        e.policy_version,
+        e.policy_allowed,
+        e.lease_token,
+        e.reason,
         e.occurred_at,
     )
 
@@ -252,6 +233,9 @@ class _Folded:
         self.deliveries: dict[tuple[str, str], tuple[DeliveryRecord, int, str | None]] = {}
         #: (delivery topic, partition) -> first offset held back for a later batch
         self.held: dict[tuple[str, int], int] = {}
+        #: operation id -> the partition its execution events are on (for new rows)
+        self.partitions: dict[str, int] = {}
+        self.reconciliations: list[tuple[Any, ...]] = []
 
     def record(
         self,
@@ -422,6 +406,7 @@ class PostgresProjection:
             dead = [d for d in dead if not _held_back(d.coordinates, folded.held)]
             self._copy(cur, "operation_history", _HISTORY_COLUMNS, folded.history)
             self._copy(cur, "anomalies", _ANOMALY_COLUMNS, folded.anomalies)
+            self._copy(cur, "reconciliations", _RECONCILIATION_COLUMNS, folded.reconciliations)
             self._copy(cur, "dead_letters", _DEAD_LETTER_COLUMNS, [_dead_row(d) for d in dead])
             report.dead_letters = len(dead)
             self._write_current(
@@ -431,6 +416,7 @@ class PostgresProjection:
                 columns=_OP_COLUMNS,
                 state_column="execution_state",
                 changed=folded.operations,
+                partitions=folded.partitions,
             )
             self._write_current(
                 cur,
@@ -519,16 +505,26 @@ class PostgresProjection:
         folded = _Folded()
         # Executions first: nothing on the execution topic depends on a delivery, and a delivery
         # fetched in the same batch as the execution it follows must see that execution.
+        # Ownership changes and decisions travel with the transitions, in their log order.
         for item in fresh:
             event = item.event
-            if not isinstance(event, ExecutionTransitioned):
+            if isinstance(event, DeliveryTransitioned):
                 continue
             current = ops.get(event.operation_id)
-            outcome: Any = apply_execution(current, event)
+            outcome: Any
+            if isinstance(event, ExecutionTransitioned):
+                machine = "execution"
+                outcome = apply_execution(current, event)
+                folded.partitions.setdefault(event.operation_id, item.coordinates.partition)
+            else:
+                machine = "control"
+                outcome = apply_control(current, event)
             if isinstance(outcome, Applied):
                 ops[event.operation_id] = outcome.record
+                if isinstance(event, ReconciliationDecided):
+                    folded.reconciliations.append(_reconciliation_row(item))
             owner = event.tenant_id if current is None else current.tenant_id
-            folded.record(item, "execution", outcome, owner, report)
+            folded.record(item, machine, outcome, owner, report)
         settled: dict[int, bool] = {}
         for item in fresh:
             event = item.event
@@ -572,43 +568,7 @@ class PostgresProjection:
             f"SELECT {_cols(_OP_COLUMNS)} FROM agent_operations WHERE operation_id = ANY(%s)",
             (list(ids),),
         )
-        out: dict[str, ExecutionRecord] = {}
-        for row in cur.fetchall():
-            (
-                op,
-                tenant,
-                actor,
-                tool,
-                rhash,
-                state,
-                attempt,
-                pref,
-                rref,
-                err,
-                created,
-                updated,
-                entered,
-                version,
-                seen,
-            ) = row
-            out[op] = ExecutionRecord(
-                operation_id=op,
-                tenant_id=tenant,
-                actor_id=actor,
-                tool_name=tool,
-                request_hash=rhash,
-                state=ExecutionState(state),
-                attempt=attempt,
-                provider_ref=pref,
-                result_ref=rref,
-                error=err,
-                created_at=created,
-                updated_at=updated,
-                state_entered_at=entered,
-                version=version,
-                seen=_parse_seen_execution(seen),
-            )
-        return out
+        return {row[0]: execution_from_row(row) for row in cur.fetchall()}
 
     def _load_deliveries(
         self, cur: psycopg.Cursor[Any], ids: set[str]
@@ -619,41 +579,7 @@ class PostgresProjection:
             f"SELECT {_cols(_DELIVERY_COLUMNS)} FROM deliveries WHERE operation_id = ANY(%s)",
             (list(ids),),
         )
-        out: dict[tuple[str, str], DeliveryRecord] = {}
-        for row in cur.fetchall():
-            (
-                op,
-                dest,
-                tenant,
-                actor,
-                state,
-                attempts,
-                rref,
-                nxt,
-                err,
-                created,
-                updated,
-                entered,
-                version,
-                seen,
-            ) = row
-            out[(op, dest)] = DeliveryRecord(
-                operation_id=op,
-                destination=dest,
-                tenant_id=tenant,
-                actor_id=actor,
-                state=DeliveryState(state),
-                attempts=attempts,
-                result_ref=rref,
-                next_attempt_at=nxt,
-                error=err,
-                created_at=created,
-                updated_at=updated,
-                state_entered_at=entered,
-                version=version,
-                seen=_parse_seen_delivery(seen),
-            )
-        return out
+        return {(row[0], row[1]): delivery_from_row(row) for row in cur.fetchall()}
 
     def _copy(
         self,
@@ -698,18 +624,23 @@ class PostgresProjection:
         columns: Sequence[str],
         state_column: str,
         changed: dict[Any, tuple[Any, int, str | None]],
+        partitions: dict[str, int] | None = None,
     ) -> None:
-        to_row = _op_row if table == "agent_operations" else _delivery_row
+        partitions = partitions or {}
+        operations = table == "agent_operations"
         new_rows: list[tuple[Any, ...]] = []
         updates: list[tuple[Any, ...]] = []
-        for r, version, state in changed.values():
+        for key, (r, version, state) in changed.items():
+            row = execution_row(r) if operations else delivery_row(r)
             if version:
-                updates.append((*to_row(r), version, state))
+                updates.append((*row, version, state))
+            elif operations:
+                new_rows.append((*row, partitions.get(key)))
             else:
-                new_rows.append(to_row(r))
+                new_rows.append(row)
         # New rows go straight in: their key's partition is owned by this transaction (offset
         # rows are locked), so a primary-key clash means a second writer, and must fail loudly.
-        self._copy(cur, table, columns, new_rows)
+        self._copy(cur, table, _OP_INSERT_COLUMNS if operations else columns, new_rows)
         if not updates:
             return
         self._copy(cur, stage, (*columns, "prev_version", "prev_state"), updates)

@@ -5,7 +5,7 @@ every record read back from Kafka, partition by partition, with no batching, SQL
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,19 +14,26 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import DecodeError, default_codec
-from ledger.domain.events import ExecutionTransitioned, Transition
+from ledger.domain.events import (
+    ExecutionTransitioned,
+    OperationEvent,
+    OwnershipTaken,
+    ReconciliationDecided,
+    Transition,
+)
 from ledger.domain.fold import (
     Applied,
     DeliveryRecord,
     Duplicate,
     ExecutionRecord,
+    apply_control,
     apply_delivery,
     apply_execution,
 )
 from ledger.metrics import Metrics
 from ledger.settings import Settings
 from ledger.topics import end_offsets
-from processors.batch_reader import BatchProjector
+from processors.batch_reader import TOPIC_KINDS, BatchProjector
 from projections import progress
 from projections.writer import PostgresProjection
 
@@ -116,6 +123,8 @@ class Expected:
     operations: dict[str, ExecutionRecord] = field(default_factory=dict)
     deliveries: dict[tuple[str, str], DeliveryRecord] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    #: operation id -> partition of its first execution event (agent_operations.kafka_partition)
+    partitions: dict[str, int] = field(default_factory=dict)
     dead: set[tuple[str, int, int]] = field(default_factory=set)
 
 
@@ -144,6 +153,22 @@ def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | Non
     return sorted(records, key=lambda r: (r[0], r[1]))
 
 
+def accepted_event(
+    settings: Settings, topic: str, key: bytes | None, value: bytes | None
+) -> OperationEvent | None:
+    """The event a record carries if the contract accepts it (it decodes, it is on its own
+    machine's topic, and it is keyed by its operation_id), else None: the projector must store
+    exactly these and dead-letter everything else."""
+    try:
+        event = default_codec().decode(value or b"")
+    except DecodeError:
+        return None
+    machine = "execution" if topic == settings.execution_topic else "delivery"
+    if event.kind not in TOPIC_KINDS[machine] or key != event.operation_id.encode():
+        return None
+    return event
+
+
 def independent_fold(
     settings: Settings,
     refused: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset(),
@@ -153,24 +178,24 @@ def independent_fold(
     ``refused`` names records to treat as dead letters although they decode: those the test
     made the database refuse (the projector must isolate exactly those).
     """
-    codec = default_codec()
     expected = Expected()
     for topic in (settings.execution_topic, settings.delivery_topic):
         for partition, offset, key, value in read_all(settings, topic):
             if (topic, partition, offset) in refused:
                 expected.dead.add((topic, partition, offset))
                 continue
-            try:
-                event = codec.decode(value or b"")
-            except DecodeError:
-                expected.dead.add((topic, partition, offset))
-                continue
-            if key != event.operation_id.encode():
+            event = accepted_event(settings, topic, key, value)
+            if event is None:
                 expected.dead.add((topic, partition, offset))
                 continue
             outcome: Any
             if isinstance(event, ExecutionTransitioned):
                 outcome = apply_execution(expected.operations.get(event.operation_id), event)
+                if isinstance(outcome, Applied):
+                    expected.operations[event.operation_id] = outcome.record
+                expected.partitions.setdefault(event.operation_id, partition)
+            elif isinstance(event, OwnershipTaken | ReconciliationDecided):
+                outcome = apply_control(expected.operations.get(event.operation_id), event)
                 if isinstance(outcome, Applied):
                     expected.operations[event.operation_id] = outcome.record
             else:
@@ -190,8 +215,8 @@ def independent_fold(
     return expected
 
 
-def _seen(pairs: Iterable[tuple[Any, int]]) -> list[str]:
-    return sorted(f"{s}:{a}" for s, a in pairs)
+def _seen(seen: Mapping[tuple[Any, int], str]) -> list[str]:
+    return sorted(f"{s}:{a}:{e}" for (s, a), e in seen.items())
 
 
 def expected_operation_row(r: ExecutionRecord) -> tuple[Any, ...]:
@@ -211,6 +236,14 @@ def expected_operation_row(r: ExecutionRecord) -> tuple[Any, ...]:
         r.state_entered_at,
         r.version,
         _seen(r.seen),
+        r.lease_token,
+        None if r.permit is None else r.permit[0],
+        None if r.permit is None else r.permit[1],
+        r.parked,
+        r.cancelled,
+        None if r.decision is None else str(r.decision),
+        r.decided_at,
+        sorted(r.controls),
     )
 
 
@@ -239,7 +272,8 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
         ops = conn.execute(
             "SELECT operation_id, tenant_id, actor_id, tool_name, request_hash, execution_state, "
             "attempt, provider_ref, result_ref, error, created_at, updated_at, state_entered_at, "
-            "version, seen FROM agent_operations"
+            "version, seen, lease_token, permit_attempt, permit_decision, parked, cancelled, "
+            "decision, decided_at, controls FROM agent_operations"
         ).fetchall()
         deliveries = conn.execute(
             "SELECT operation_id, destination, tenant_id, actor_id, state, attempts, result_ref, "
@@ -256,6 +290,11 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
     assert actual_ops.keys() == want_ops.keys(), "operation ids differ"
     for key, want in want_ops.items():
         assert actual_ops[key] == want, f"agent_operations row {key} differs"
+    with psycopg.connect(settings.dsn) as conn:
+        placed = dict(
+            conn.execute("SELECT operation_id, kafka_partition FROM agent_operations").fetchall()
+        )
+    assert placed == {op: expected.partitions[op] for op in want_ops}, "kafka_partition differs"
     actual_del = {(row[0], row[1]): tuple(row) for row in deliveries}
     want_del = {k: expected_delivery_row(v) for k, v in expected.deliveries.items()}
     assert actual_del.keys() == want_del.keys(), "delivery keys differ"

@@ -6,7 +6,7 @@ One record type per state machine, with the state it moved to. Field names and m
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -19,10 +19,20 @@ from pydantic import (
 )
 
 from ledger.domain.ids import EVENT_ID_RE, OPERATION_ID_RE, SHA256_REF_RE
+from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.redact import looks_secret
 from ledger.domain.states import DeliveryState, ExecutionState
 
 MAX_ERROR_LENGTH = 1000
+
+
+def _no_secret(value: str | None) -> str | None:
+    # Events are kept forever: a credential in an error text, provider reference or destination
+    # could never be taken back, so the contract refuses it.
+    if value is not None and looks_secret(value):
+        raise ValueError("looks like it holds a credential; redact it before recording")
+    return value
+
 
 Identifier = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
@@ -31,7 +41,9 @@ ToolName = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9._-]*$")
 ]
 Destination = Annotated[
-    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
+    str,
+    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$"),
+    AfterValidator(_no_secret),
 ]
 OperationId = Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
 EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_RE.pattern)]
@@ -39,13 +51,8 @@ ContentRef = Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
 ProviderRef = Annotated[
     str,
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$"),
+    AfterValidator(_no_secret),
 ]
-
-
-def _no_secret(value: str | None) -> str | None:
-    if value is not None and looks_secret(value):
-        raise ValueError("error text looks like it holds a credential; redact it before recording")
-    return value
 
 
 def storable_text_problem(value: str) -> str | None:
@@ -78,13 +85,31 @@ ErrorText = Annotated[
 ]
 
 
+#: The instants an event may carry: those every reader can hold, whatever its time zone.
+#: PostgreSQL stores far more, but returns a timestamptz in the session's zone (up to a day from
+#: UTC), and Python's datetime ends at years 1 and 9999: an instant within a day of either end
+#: is stored, then cannot be read back (psycopg refuses it), and the projector refuses every
+#: later event of that operation.
+EARLIEST = datetime.min.replace(tzinfo=UTC) + timedelta(days=1)
+LATEST = datetime.max.replace(tzinfo=UTC) - timedelta(days=1)
+
+
 def _aware(value: datetime) -> datetime:
     if value.tzinfo is None:
         raise ValueError("occurred_at must be timezone-aware")
-    return value.astimezone(UTC)
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:  # not a ValueError: pydantic would let it escape unreported
+        raise ValueError("timestamp outside the range of datetime in UTC") from None
+    if not EARLIEST <= utc <= LATEST:
+        raise ValueError(f"timestamp must lie between {EARLIEST} and {LATEST}")
+    return utc
 
 
 Timestamp = Annotated[datetime, AfterValidator(_aware)]
+
+
+LeaseToken = Annotated[int, Field(ge=1, le=2**62)]
 
 
 class _Event(BaseModel):
@@ -108,6 +133,10 @@ class ExecutionTransitioned(_Event):
     provider_ref: ProviderRef | None = None
     result_ref: ContentRef | None = None
     error: ErrorText | None = None
+    #: the writer's lease (fencing) token; None from writers that hold no lease
+    lease_token: LeaseToken | None = None
+    #: the ReconciliationDecided this transition carries out (its evidence)
+    decision_id: EventId | None = None
 
     @model_validator(mode="after")
     def _state_needs(self) -> ExecutionTransitioned:
@@ -144,4 +173,42 @@ class DeliveryTransitioned(_Event):
         return self
 
 
+class OwnershipTaken(_Event):
+    """A process took over ``operation_id`` under a new lease (``lease_token``). Appended before
+    the new owner reads the operation's history: events with a lower token that come after it
+    in the log are fenced, never applied."""
+
+    kind: Literal["ownership"] = "ownership"
+    lease_token: LeaseToken
+    reason: ErrorText
+
+
+class ReconciliationDecided(_Event):
+    """A decision about an operation whose outcome was not known (or whose owner went away),
+    with its evidence: what the provider lookup said, which policy version decided and why.
+    ``attempt`` is the attempt the decision is about."""
+
+    kind: Literal["decision"] = "decision"
+    lease_token: LeaseToken | None = None
+    decision: Decision
+    lookup: LookupStatus
+    provider_ref: ProviderRef | None = None
+    result_ref: ContentRef | None = None
+    policy_version: EventId | None = None
+    policy_allowed: bool = False
+    reason: ErrorText
+
+    @model_validator(mode="after")
+    def _decision_needs(self) -> ReconciliationDecided:
+        if self.decision is Decision.MARK_SUCCEEDED and self.result_ref is None:
+            raise ValueError("MARK_SUCCEEDED needs the recovered result_ref, stored first")
+        if self.decision is Decision.NEW_ATTEMPT and not self.policy_allowed:
+            raise ValueError("NEW_ATTEMPT needs policy_allowed: only policy permits a repeat")
+        return self
+
+
 Transition = ExecutionTransitioned | DeliveryTransitioned
+#: What the execution topic carries besides transitions: who owns an operation, and decisions.
+Control = OwnershipTaken | ReconciliationDecided
+#: Everything keyed by operation_id on the execution and delivery topics.
+OperationEvent = Transition | Control

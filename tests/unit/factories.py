@@ -11,9 +11,16 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.events import (
+    DeliveryTransitioned,
+    ExecutionTransitioned,
+    OwnershipTaken,
+    ReconciliationDecided,
+)
 from ledger.domain.fold import Applied, ExecutionRecord, apply_execution
 from ledger.domain.ids import content_ref, event_id, operation_id, request_hash
+from ledger.domain.reconcile import Decision, LookupStatus
+from ledger.domain.redact import looks_secret
 from ledger.domain.states import DeliveryState, ExecutionState
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
@@ -75,6 +82,47 @@ def delivery(state: DeliveryState, attempt: int, **overrides: Any) -> DeliveryTr
     return DeliveryTransitioned(**fields)
 
 
+def decided(
+    attempt: int, decision: Decision = Decision.NEW_ATTEMPT, **overrides: Any
+) -> ReconciliationDecided:
+    """A valid reconciliation decision about ``attempt`` (by default: a new attempt allowed
+    after the provider had no record of the key)."""
+    fields: dict[str, Any] = {
+        "event_id": fresh_event_id(),
+        "operation_id": OP,
+        "tenant_id": TENANT,
+        "actor_id": "recover@test",
+        "occurred_at": T0 + timedelta(seconds=attempt, milliseconds=500),
+        "attempt": attempt,
+        "decision": decision,
+        "lookup": LookupStatus.NOT_FOUND,
+        "policy_allowed": decision is Decision.NEW_ATTEMPT,
+        "policy_version": fresh_event_id(),
+        "reason": f"test decision {decision}",
+    }
+    if decision is Decision.MARK_SUCCEEDED:
+        fields["result_ref"] = RESULT
+        fields["lookup"] = LookupStatus.FOUND_SUCCEEDED
+    fields.update(overrides)
+    return ReconciliationDecided(**fields)
+
+
+def owned(token: int, attempt: int = 0, **overrides: Any) -> OwnershipTaken:
+    """A valid ownership change to lease ``token``."""
+    fields: dict[str, Any] = {
+        "event_id": fresh_event_id(),
+        "operation_id": OP,
+        "tenant_id": TENANT,
+        "actor_id": "recover@test",
+        "occurred_at": T0 + timedelta(seconds=attempt, milliseconds=250),
+        "attempt": attempt,
+        "lease_token": token,
+        "reason": "the previous lease expired",
+    }
+    fields.update(overrides)
+    return OwnershipTaken(**fields)
+
+
 def succeeded_execution(**overrides: Any) -> ExecutionRecord:
     """The execution record a delivery of the default operation belongs to: SUCCEEDED with
     RESULT, folded from its real history (intent, dispatch, success)."""
@@ -94,6 +142,11 @@ def succeeded_execution(**overrides: Any) -> ExecutionRecord:
 SUCCEEDED = succeeded_execution()
 
 
+def not_secret(text: str) -> bool:
+    """Valid for the fields the secret check guards (provider refs, destinations)."""
+    return not looks_secret(text)
+
+
 # --- hypothesis strategies -------------------------------------------------------------------
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -103,8 +156,9 @@ event_ids = ulids.map(lambda u: f"ev_{u}")
 sha_refs = st.binary(max_size=64).map(content_ref)
 identifiers = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:@/-]{0,40}\Z")
 tool_names = st.from_regex(r"\A[A-Za-z][A-Za-z0-9._-]{0,40}\Z")
-destinations = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@-]{0,60}\Z")
-provider_refs = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@=+-]{0,60}\Z")
+# A random 32+ character run looks like a key and is refused (about 1 in 2,000 draws).
+destinations = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@-]{0,60}\Z").filter(not_secret)
+provider_refs = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@=+-]{0,60}\Z").filter(not_secret)
 # Plain prose: never shaped like a credential, so the secret check is not what is exercised.
 error_texts = st.text(
     st.sampled_from("abcdefghijklmnopqrstuvwxyz 0123456789.,()"), min_size=1, max_size=200

@@ -17,9 +17,11 @@ from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Tr
 from ledger.domain.fold import Applied, apply_delivery, apply_execution
 from ledger.domain.ids import content_ref
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.errors import DeliveryTimeoutError
 from ledger.metrics import Metrics
+from ledger.results import ResultStore
 from ledger.settings import Settings
-from producers.errors import DeliveryTimeoutError
+from ledger.transport import OutgoingRecord
 from producers.executor import Executor
 from producers.provider import (
     DeliveryReceipt,
@@ -30,8 +32,6 @@ from producers.provider import (
     ResponseLost,
 )
 from producers.recorder import TransitionRecorder
-from producers.results import ResultStore
-from producers.transport import OutgoingRecord
 
 DESTS = ("webhook:crm", "queue:billing")
 

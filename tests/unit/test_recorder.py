@@ -16,6 +16,7 @@ from ledger.codec import default_codec
 from ledger.domain.events import Transition
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.settings import Settings
+from ledger.transport import OutgoingRecord
 from producers import (
     AsyncTransitionRecorder,
     DeliveryError,
@@ -27,7 +28,6 @@ from producers import (
     TrackedOperation,
     TransitionRecorder,
 )
-from producers.transport import OutgoingRecord
 
 X = ExecutionState
 D = DeliveryState

@@ -34,6 +34,10 @@ from ledger.domain.states import ExecutionState
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 EXECUTION_AVSC = SCHEMAS / "execution_transition.avsc"
 DELIVERY_AVSC = SCHEMAS / "delivery_transition.avsc"
+#: Every current schema except the execution one (a Codec needs all the records it serves).
+OTHERS = sorted(p for p in SCHEMAS.glob("*.avsc") if p != EXECUTION_AVSC)
+#: The execution schema producers wrote before leases and decisions (kept in the archive).
+ARCHIVED_V1 = SCHEMAS / "archive" / "execution_transition.v1.avsc"
 
 
 def _schema(path: Path) -> dict[str, Any]:
@@ -87,18 +91,24 @@ def v0(tmp_path: Path) -> dict[str, Any]:
     """The execution schema before any defaulted field existed."""
     current = _schema(EXECUTION_AVSC)
     old = _without(current, _defaulted(current))
-    assert _defaulted(current) == {"provider_ref", "result_ref", "error"}, "update this test"
+    assert _defaulted(current) == {
+        "provider_ref",
+        "result_ref",
+        "error",
+        "lease_token",
+        "decision_id",
+    }, "update this test"
     return old
 
 
 def _reader(tmp_path: Path, *archived: dict[str, Any]) -> Codec:
     paths = [_write(tmp_path, f"archived_{i}.avsc", s) for i, s in enumerate(archived)]
-    return Codec([EXECUTION_AVSC, DELIVERY_AVSC], paths)
+    return Codec([EXECUTION_AVSC, *OTHERS], paths)
 
 
 def test_v0_writer_read_by_current_reader_gets_defaults(tmp_path: Path, v0: dict[str, Any]) -> None:
     # The old producer: a Codec whose *current* schema is v0.
-    old_writer = Codec([_write(tmp_path, "v0.avsc", v0), DELIVERY_AVSC])
+    old_writer = Codec([_write(tmp_path, "v0.avsc", v0), *OTHERS])
     data = old_writer.encode_datum(EXECUTION_RECORD, _old_datum(ExecutionState.DISPATCHED, 1))
     assert data[2:10] != default_codec().fingerprint(EXECUTION_RECORD)
 
@@ -110,6 +120,25 @@ def test_v0_writer_read_by_current_reader_gets_defaults(tmp_path: Path, v0: dict
     assert event.actor_id == "svc-old"
     assert event.occurred_at == T0
     assert (event.provider_ref, event.result_ref, event.error) == (None, None, None)
+
+
+def test_the_archived_v1_writer_reads_under_todays_schema() -> None:
+    """schemas/archive/ keeps what producers wrote before leases and decisions: their events
+    still decode, and the new fields read as their defaults (no lease, no decision)."""
+    v1 = _schema(ARCHIVED_V1)
+    assert {f["name"] for f in v1["fields"]} == {
+        f["name"] for f in _schema(EXECUTION_AVSC)["fields"]
+    } - {"lease_token", "decision_id"}
+    datum = {**_old_datum(ExecutionState.DISPATCHED, 1), "provider_ref": "prov-9"}
+    datum.update(result_ref=None, error=None)
+    data = _single_object(v1, datum)
+    assert data[2:10] != default_codec().fingerprint(EXECUTION_RECORD)
+
+    event = default_codec().decode(data)  # the shipped codec knows the archived fingerprint
+
+    assert isinstance(event, ExecutionTransitioned)
+    assert event.provider_ref == "prov-9"
+    assert (event.lease_token, event.decision_id) == (None, None)
 
 
 def test_writer_one_field_behind_keeps_the_fields_it_had(
@@ -130,7 +159,7 @@ def test_writer_one_field_behind_keeps_the_fields_it_had(
 def test_hand_built_single_object_matches_codec_output() -> None:
     # Our framing is the spec's: fastavro body + CRC-64-AVRO of the canonical form.
     datum = _old_datum(ExecutionState.INTENT_RECORDED, 0)
-    datum.update(provider_ref=None, result_ref=None, error=None)
+    datum.update(provider_ref=None, result_ref=None, error=None, lease_token=None, decision_id=None)
     by_hand = _single_object(_schema(EXECUTION_AVSC), datum)
     assert by_hand == default_codec().encode_datum(EXECUTION_RECORD, datum)
     assert default_codec().decode(by_hand) == ExecutionTransitioned.model_validate(datum)
@@ -155,7 +184,7 @@ def test_archived_schema_of_a_record_with_no_current_schema(tmp_path: Path) -> N
 
 def _valid_bytes() -> bytes:
     datum = _old_datum(ExecutionState.INTENT_RECORDED, 0)
-    datum.update(provider_ref="p-1", result_ref=None, error=None)
+    datum.update(provider_ref="p-1", result_ref=None, error=None, lease_token=7, decision_id=None)
     return default_codec().encode_datum(EXECUTION_RECORD, datum)
 
 

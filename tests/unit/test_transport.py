@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import pytest
 from confluent_kafka import KafkaError
 
+from ledger.errors import DeliveryError
 from ledger.settings import Settings
-from producers.errors import DeliveryError
-from producers.transport import KafkaTransport, OutgoingRecord
+from ledger.transport import KafkaTransport, OutgoingRecord
 
 RECORD = OutgoingRecord("t", b"k", b"v", [])
 

@@ -7,29 +7,30 @@ job?".
 
 Connections come from a pool, one per concurrent caller: threads sharing a store never wait on
 each other's transactions, and a connection that PostgreSQL dropped (a restart, a failover) is
-replaced instead of poisoning every later call.
+replaced instead of poisoning every later call (``ledger.pg.retrying``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import psycopg
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
 from ledger import migrate
 from ledger.domain.ids import SHA256_REF_RE, content_ref
-from ledger.domain.redact import redact
-from producers.errors import ResultStoreError
+from ledger.errors import ResultStoreError
+from ledger.pg import (
+    DEFAULT_RECONNECT_WINDOW_S,
+    DatabaseError,
+    DatabaseUnavailableError,
+    open_pool,
+    retrying,
+)
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Largest payload accepted. Results are read whole by the delivery worker and sent in one
@@ -37,10 +38,7 @@ T = TypeVar("T")
 MAX_RESULT_BYTES = 16 * 1024 * 1024
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
-COMPONENT = "producers"
-
-#: How long one call keeps trying to reach PostgreSQL (a restart takes a second or two).
-DEFAULT_RECONNECT_WINDOW_S = 10.0
+COMPONENT = "ledger"
 
 # type/subtype with optional parameters (RFC 9110 token characters), kept deliberately strict:
 # the value is echoed in HTTP headers by the delivery worker.
@@ -49,17 +47,12 @@ _CONTENT_TYPE = re.compile(
     r"(\s*;\s*[A-Za-z0-9!#$&^_.+-]+=(\"[^\"\r\n]*\"|[A-Za-z0-9!#$&^_.+-]+))*$"
 )
 # Same shape as the events' Identifier so a stored result's tenant is one an event can carry.
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 
 
 def _check_tenant(tenant_id: str) -> None:
-    if not isinstance(tenant_id, str) or not _TENANT.match(tenant_id):
+    if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
         raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class ResultStore:
@@ -71,12 +64,10 @@ class ResultStore:
         *,
         owns_pool: bool = False,
         reconnect_window_s: float = DEFAULT_RECONNECT_WINDOW_S,
-        where: str = "the configured DSN",
     ) -> None:
         self._pool = pool
         self._owns = owns_pool
         self._window_s = reconnect_window_s
-        self._where = where
 
     @classmethod
     def connect(
@@ -86,18 +77,15 @@ class ResultStore:
         max_connections: int = 16,
         reconnect_window_s: float = DEFAULT_RECONNECT_WINDOW_S,
     ) -> Self:
-        """A store over its own pool of autocommit connections to ``dsn`` (closed by
-        :meth:`close`). Connections open on demand, so this does not fail while PostgreSQL is
-        down: the first ``put`` says so instead."""
-        pool: ConnectionPool[Any] = ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=max_connections,
-            kwargs={"autocommit": True, "connect_timeout": 5, "application_name": "opledger-sdk"},
-            open=True,
-            name="opledger-results",
-        )
-        return cls(pool, owns_pool=True, reconnect_window_s=reconnect_window_s, where=redact(dsn))
+        """A store over its own pool to ``dsn`` (closed by :meth:`close`). It does not fail
+        while PostgreSQL is down: the first ``put`` says so instead."""
+        pool = open_pool(dsn, name="opledger-sdk", max_size=max_connections)
+        return cls(pool, owns_pool=True, reconnect_window_s=reconnect_window_s)
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """The connection pool (the SDK's lease store shares it)."""
+        return self._pool
 
     def migrate(self) -> list[int]:
         """Create or upgrade the ``results`` table; returns the migration versions applied now."""
@@ -165,34 +153,12 @@ class ResultStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _connection(self, deadline: float) -> Iterator[psycopg.Connection[Any]]:
-        with self._pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
-            yield conn
-
     def _retrying(self, what: str, work: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run ``work`` on a pooled connection; a connection lost to a restart is replaced and
-        the work tried again until the reconnect window ends. Every statement given here is
-        idempotent, so a retry after an unacknowledged commit changes nothing."""
-        deadline = time.monotonic() + self._window_s
-        delay = 0.02
-        while True:
-            try:
-                with self._connection(deadline) as conn:
-                    return work(conn)
-            except (psycopg.OperationalError, PoolTimeout) as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise ResultStoreError(
-                        f"could not {what}: PostgreSQL at {self._where} did not answer for "
-                        f"{self._window_s:.0f}s ({_first_line(exc)}). Nothing was recorded; "
-                        "retry the call once the database is back"
-                    ) from exc
-                log.warning("%s: %s; retrying on a fresh connection", what, _first_line(exc))
-                # After a restart every idle connection in the pool is dead: test them all now
-                # (dead ones are replaced) rather than meeting them one failed call at a time.
-                with contextlib.suppress(Exception):
-                    self._pool.check()
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except psycopg.Error as exc:
-                raise ResultStoreError(f"could not {what}: {_first_line(exc)}") from exc
+        try:
+            return retrying(self._pool, what, work, window_s=self._window_s)
+        except DatabaseUnavailableError as exc:
+            raise ResultStoreError(
+                f"{exc}. Nothing was recorded; retry the call once the database is back"
+            ) from exc
+        except DatabaseError as exc:
+            raise ResultStoreError(str(exc)) from exc

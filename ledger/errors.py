@@ -1,12 +1,10 @@
-"""The SDK's errors. Every failure a caller must handle is a :class:`RecordError`, so a worker can
-catch one type around "record, then acknowledge my job" and know nothing was acknowledged."""
+"""The errors of appending to the ledger. Every failure a caller must handle is a
+:class:`RecordError`, so a worker can catch one type around "record, then acknowledge my job" and
+know nothing was acknowledged. The SDK (``producers``) re-exports them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from producers.operation import TrackedOperation
+from typing import Any
 
 
 class RecordError(Exception):
@@ -19,6 +17,11 @@ class IllegalTransitionError(RecordError, ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class ConflictError(IllegalTransitionError):
+    """Another event already recorded this step of the operation (another writer, or a new event
+    where a resend of the in-doubt one was due); nothing was sent."""
 
 
 class InvalidTransitionError(RecordError, ValueError):
@@ -37,10 +40,11 @@ class DeliveryError(RecordError):
     def __init__(self, message: str, kafka_error: object | None = None) -> None:
         super().__init__(message)
         self.kafka_error = kafka_error
-        self.handles: dict[str, TrackedOperation] = {}
+        #: operation id -> the SDK handle (a producers.operation.TrackedOperation) now in doubt
+        self.handles: dict[str, Any] = {}
 
     @property
-    def handle(self) -> TrackedOperation:
+    def handle(self) -> Any:
         """The one in-doubt handle of a single-operation call."""
         if len(self.handles) != 1:
             raise ValueError(f"{len(self.handles)} handles are in doubt; use .handles")

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, Producer
 
+from ledger.errors import DeliveryError, DeliveryTimeoutError
 from ledger.kafka import producer_config
 from ledger.settings import Settings
-from producers.errors import DeliveryError, DeliveryTimeoutError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,250 @@
+"""One owner per operation: leases with fencing tokens in PostgreSQL (decision 004).
+
+A lease says which process may advance an operation until when, and carries a *token* that only
+grows: every event the owner appends carries it, and the fold refuses (fences) an event whose
+token is lower than one already recorded for the operation. A new owner takes an expired lease
+with the next token and first appends :class:`~ledger.domain.events.OwnershipTaken`, so from
+that point in the log on, nothing the previous owner still writes is applied.
+
+Time: expiry is decided by the database's clock (``now()``), the only clock every process shares.
+Locally a holder stops acting at its *deadline*: the monotonic time it asked for the lease plus
+the TTL minus a safety margin, which is always before the database considers it expired.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ledger.pg import retrying
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+COMPONENT = "ledger"
+
+#: Largest stored request (canonical JSON of the arguments).
+MAX_REQUEST_BYTES = 1024 * 1024
+
+
+class LeaseLostError(RuntimeError):
+    """This process no longer holds the lease: another may own the operation now."""
+
+
+def process_identity(role: str) -> str:
+    """A readable, unique name for this process as a lease owner: role@host:pid/random."""
+    return f"{role}@{socket.gethostname()}:{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    operation_id: str
+    tenant_id: str
+    token: int
+    owner: str
+    #: monotonic time after which the holder must not act (before the database's expiry)
+    deadline: float
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def valid(self) -> bool:
+        return time.monotonic() < self.deadline
+
+
+def _safety(ttl: timedelta) -> float:
+    # Clock rates differ a little between processes; a tenth of the TTL (at least 0.5 s, at most
+    # 5 s) is kept in hand so the holder always stops before anyone else may start.
+    return min(5.0, max(0.5, ttl.total_seconds() / 10))
+
+
+class LeaseStore:
+    """Leases and stored requests over a connection pool (idempotent work only)."""
+
+    def __init__(self, pool: ConnectionPool[Any], owner: str) -> None:
+        self._pool = pool
+        self.owner = owner
+
+    def create(
+        self,
+        operation_id: str,
+        tenant_id: str,
+        ttl: timedelta,
+        *,
+        tool_name: str,
+        request_hash: str,
+        request: bytes,
+    ) -> Lease:
+        """The first lease of a new operation (token 1), stored with its request in one commit.
+
+        Asking again for an operation this owner already holds returns the same token (a retry
+        after a lost acknowledgement); an operation someone else holds raises LeaseLostError.
+        """
+        if len(request) > MAX_REQUEST_BYTES:
+            raise ValueError(
+                f"the request is {len(request)} bytes; at most {MAX_REQUEST_BYTES} are stored"
+            )
+        started = time.monotonic()
+
+        def work(conn: psycopg.Connection[Any]) -> tuple[int, str] | None:
+            with conn.transaction():
+                row = conn.execute(
+                    """INSERT INTO operation_leases
+                           (operation_id, tenant_id, token, owner, expires_at)
+                       VALUES (%s, %s, 1, %s, now() + %s)
+                       ON CONFLICT (operation_id) DO UPDATE SET updated_at = now()
+                           WHERE operation_leases.owner = EXCLUDED.owner
+                       RETURNING token, owner""",
+                    (operation_id, tenant_id, self.owner, ttl),
+                ).fetchone()
+                conn.execute(
+                    """INSERT INTO operation_requests
+                           (operation_id, tenant_id, tool_name, request_hash, body)
+                       VALUES (%s, %s, %s, %s, %s) ON CONFLICT (operation_id) DO NOTHING""",
+                    (operation_id, tenant_id, tool_name, request_hash, request),
+                )
+            return None if row is None else (int(row[0]), str(row[1]))
+
+        found = retrying(self._pool, f"take the lease of {operation_id}", work)
+        if found is None:
+            raise LeaseLostError(f"{operation_id} is already owned by another process")
+        return Lease(
+            operation_id, tenant_id, found[0], self.owner, started + _ttl_s(ttl) - _safety(ttl)
+        )
+
+    def take_over(
+        self,
+        operations: Iterable[tuple[str, str]],
+        ttl: timedelta,
+        *,
+        force: bool = False,
+    ) -> dict[str, Lease]:
+        """Take the leases of ``(operation_id, tenant_id)`` pairs that expired (all of them with
+        ``force``, which a cancel uses), with a higher token; returns the ones taken. An
+        operation with no lease row (a writer without leases) gets token 1."""
+        pairs = list(operations)
+        if not pairs:
+            return {}
+        started = time.monotonic()
+
+        def work(conn: psycopg.Connection[Any]) -> list[tuple[str, str, int]]:
+            with conn.transaction():
+                rows = conn.execute(
+                    """WITH wanted AS (
+                           SELECT op, tenant FROM unnest(%s::text[], %s::text[]) AS x(op, tenant)
+                       ), fresh AS (
+                           INSERT INTO operation_leases
+                               (operation_id, tenant_id, token, owner, expires_at)
+                           SELECT op, tenant, 1, %s, now() + %s FROM wanted
+                           ON CONFLICT (operation_id) DO NOTHING
+                           RETURNING operation_id, tenant_id, token
+                       ), taken AS (
+                           UPDATE operation_leases l
+                              SET token = l.token + 1, owner = %s, expires_at = now() + %s,
+                                  updated_at = now()
+                             FROM wanted w
+                            WHERE l.operation_id = w.op AND l.tenant_id = w.tenant
+                              AND (l.expires_at <= now() OR %s)
+                              AND l.operation_id NOT IN (SELECT operation_id FROM fresh)
+                           RETURNING l.operation_id, l.tenant_id, l.token
+                       )
+                       SELECT * FROM fresh UNION ALL SELECT * FROM taken""",
+                    (
+                        [p[0] for p in pairs],
+                        [p[1] for p in pairs],
+                        self.owner,
+                        ttl,
+                        self.owner,
+                        ttl,
+                        force,
+                    ),
+                ).fetchall()
+            return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]
+
+        taken = retrying(self._pool, f"take over {len(pairs)} leases", work)
+        deadline = started + _ttl_s(ttl) - _safety(ttl)
+        return {op: Lease(op, tenant, token, self.owner, deadline) for op, tenant, token in taken}
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still this owner's and unexpired, asked of the database."""
+        if not lease.valid():
+            return False
+
+        def work(conn: psycopg.Connection[Any]) -> bool:
+            row = conn.execute(
+                "SELECT 1 FROM operation_leases WHERE operation_id = %s AND token = %s "
+                "AND owner = %s AND expires_at > now()",
+                (lease.operation_id, lease.token, lease.owner),
+            ).fetchone()
+            return row is not None
+
+        return retrying(self._pool, f"check the lease of {lease.operation_id}", work)
+
+    def renew(self, lease: Lease, ttl: timedelta) -> Lease:
+        """Extend a lease still held; raises LeaseLostError when it is not."""
+        started = time.monotonic()
+
+        def work(conn: psycopg.Connection[Any]) -> bool:
+            row = conn.execute(
+                "UPDATE operation_leases SET expires_at = now() + %s, updated_at = now() "
+                "WHERE operation_id = %s AND token = %s AND owner = %s AND expires_at > now() "
+                "RETURNING 1",
+                (ttl, lease.operation_id, lease.token, lease.owner),
+            ).fetchone()
+            return row is not None
+
+        if not lease.valid() or not retrying(
+            self._pool, f"renew the lease of {lease.operation_id}", work
+        ):
+            raise LeaseLostError(f"the lease on {lease.operation_id} expired")
+        return Lease(
+            lease.operation_id,
+            lease.tenant_id,
+            lease.token,
+            lease.owner,
+            started + _ttl_s(ttl) - _safety(ttl),
+        )
+
+    def release(self, leases: Sequence[Lease]) -> None:
+        """Let others take these operations at once instead of waiting for the expiry."""
+        if not leases:
+            return
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(
+                "UPDATE operation_leases l SET expires_at = now(), updated_at = now() "
+                "FROM unnest(%s::text[], %s::bigint[]) AS x(op, token) "
+                "WHERE l.operation_id = x.op AND l.token = x.token AND l.owner = %s",
+                ([x.operation_id for x in leases], [x.token for x in leases], self.owner),
+            )
+
+        retrying(self._pool, f"release {len(leases)} leases", work)
+
+    def requests(self, operations: Iterable[tuple[str, str]]) -> dict[str, bytes]:
+        """The stored requests of ``(operation_id, tenant_id)`` pairs (tenant-scoped)."""
+        pairs = list(operations)
+        if not pairs:
+            return {}
+
+        def work(conn: psycopg.Connection[Any]) -> dict[str, bytes]:
+            rows = conn.execute(
+                "SELECT r.operation_id, r.body FROM operation_requests r "
+                "JOIN unnest(%s::text[], %s::text[]) AS x(op, tenant) "
+                "ON r.operation_id = x.op AND r.tenant_id = x.tenant",
+                ([p[0] for p in pairs], [p[1] for p in pairs]),
+            ).fetchall()
+            return {str(op): bytes(body) for op, body in rows}
+
+        return retrying(self._pool, "read stored requests", work)
+
+
+def _ttl_s(ttl: timedelta) -> float:
+    return ttl.total_seconds()

@@ -1,0 +1,87 @@
+"""The PostgreSQL edge shared by the SDK and the workers: one pool per process, and a way to run
+idempotent work that rides out a server restart.
+
+A restart (or failover) kills every pooled connection at once. Work given to :func:`retrying` is
+run on a pooled connection; on a connection error the pool tests all its idle connections
+(replacing the dead ones) and the work is tried again until a window ends, after which the error
+says the database is unreachable. Only idempotent work may be given: a commit whose
+acknowledgement was lost is then simply done again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ledger.domain.redact import redact
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: How long one call keeps trying to reach PostgreSQL (a restart takes a second or two).
+DEFAULT_RECONNECT_WINDOW_S = 10.0
+
+
+class DatabaseUnavailableError(RuntimeError):
+    """PostgreSQL did not answer within the reconnect window; nothing was done."""
+
+
+class DatabaseError(RuntimeError):
+    """PostgreSQL refused the work (a constraint, a bad value); retrying would not help."""
+
+
+def open_pool(dsn: str, *, name: str, max_size: int = 16) -> ConnectionPool[Any]:
+    """A pool of autocommit connections to ``dsn``, opened lazily: it does not fail while
+    PostgreSQL is down (the first use says so instead)."""
+    return ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True, "connect_timeout": 5, "application_name": name},
+        open=True,
+        name=name,
+    )
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def retrying(
+    pool: ConnectionPool[Any],
+    what: str,
+    work: Callable[[psycopg.Connection[Any]], T],
+    *,
+    window_s: float = DEFAULT_RECONNECT_WINDOW_S,
+) -> T:
+    """Run idempotent ``work`` on a pooled connection, riding out a lost connection for up to
+    ``window_s``. Raises :class:`DatabaseUnavailableError` or :class:`DatabaseError`."""
+    deadline = time.monotonic() + window_s
+    delay = 0.02
+    while True:
+        try:
+            with pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
+                return work(conn)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            if time.monotonic() + delay >= deadline:
+                where = redact(str(pool.conninfo))
+                raise DatabaseUnavailableError(
+                    f"could not {what}: PostgreSQL at {where} did not answer for "
+                    f"{window_s:.0f}s ({first_line(exc)})"
+                ) from exc
+            log.warning("%s: %s; retrying on a fresh connection", what, first_line(exc))
+            # After a restart every idle connection in the pool is dead: test them all now
+            # (dead ones are replaced) rather than meeting them one failed call at a time.
+            with contextlib.suppress(Exception):
+                pool.check()
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except psycopg.Error as exc:
+            raise DatabaseError(f"could not {what}: {first_line(exc)}") from exc
