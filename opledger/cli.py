@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ledger.settings import Settings, SettingsError
 from opledger import demo, ops, projector, stack
+from opledger.fakes import commands as fake_provider
 
 if TYPE_CHECKING:
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -106,7 +107,13 @@ def register_stack(commands: Commands) -> None:
 
 #: Every subcommand group. To add one, write ``register(commands)`` in your module (keep its
 #: top-level imports light; point handlers at "module:function" strings) and list it here.
-REGISTRARS: list[Registrar] = [register_stack, projector.register, ops.register, demo.register]
+REGISTRARS: list[Registrar] = [
+    register_stack,
+    projector.register,
+    ops.register,
+    demo.register,
+    fake_provider.register,
+]
 
 
 def build_parser(registrars: Sequence[Registrar] = REGISTRARS) -> argparse.ArgumentParser:
