@@ -44,22 +44,18 @@ from ledger.domain.fold import (
 )
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, SourcedEvent
+
+# The projector's own row builders, so the baseline writes byte-for-byte the same rows.
+from ledger.rows import DELIVERY_COLUMNS as _DELIVERY_COLUMNS
+from ledger.rows import OP_COLUMNS as _OP_COLUMNS
+from ledger.rows import delivery_row as _delivery_row
+from ledger.rows import execution_row as _op_row
 from ledger.settings import Settings
 from ledger.topics import end_offsets
 from opledger.workload import Workload
 from processors.batch_reader import BatchProjector
 from projections.schema import apply_migrations
-
-# The projector's own row builders, so the baseline writes byte-for-byte the same rows.
-from projections.writer import (
-    _DELIVERY_COLUMNS,
-    _HISTORY_COLUMNS,
-    _OP_COLUMNS,
-    PostgresProjection,
-    _delivery_row,
-    _history_row,
-    _op_row,
-)
+from projections.writer import _HISTORY_COLUMNS, PostgresProjection, _history_row
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from ledger.codec import default_codec
 from ledger.domain.events import Transition
 from ledger.settings import Settings
 from ledger.topics import ensure_topics, topic_specs
+from opledger import db
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ def isolated(base: Settings, label: str, extra_databases: int = 0) -> Iterator[I
             created.append(name)
         settings = settings.with_(pg_dsn=dsns[0])
         ensure_topics(settings)
+        db.migrate(settings.dsn)  # the tables `opledger db migrate` makes, as a deployment has
         yield Isolated(settings, tuple(dsns[1:]))
     finally:
         for name in created:

@@ -24,10 +24,13 @@ from pydantic import ValidationError
 
 from ledger.avro_binary import CorruptBodyError, PlainRecord, utc_micros
 from ledger.domain.events import (
+    READING,
     DeliveryTransitioned,
     ExecutionTransitioned,
+    LedgerEvent,
     OperationEvent,
     OwnershipTaken,
+    PolicyChanged,
     ReconciliationDecided,
 )
 
@@ -47,13 +50,16 @@ EXECUTION_RECORD = "opledger.v1.ExecutionTransitioned"
 DELIVERY_RECORD = "opledger.v1.DeliveryTransitioned"
 OWNERSHIP_RECORD = "opledger.v1.OwnershipTaken"
 DECISION_RECORD = "opledger.v1.ReconciliationDecided"
+POLICY_RECORD = "opledger.v1.PolicyChanged"
 
 #: Every record the topics carry, by Avro full name, and the domain model it decodes to.
-MODELS: dict[str, type[OperationEvent]] = {
+MODELS: dict[str, type[LedgerEvent]] = {
     EXECUTION_RECORD: ExecutionTransitioned,
     DELIVERY_RECORD: DeliveryTransitioned,
     OWNERSHIP_RECORD: OwnershipTaken,
     DECISION_RECORD: ReconciliationDecided,
+    # Rare, and with arrays and a boolean: written and read by fastavro, not PlainRecord.
+    POLICY_RECORD: PolicyChanged,
 }
 _RECORD_OF: dict[type, str] = {model: name for name, model in MODELS.items()}
 
@@ -139,7 +145,7 @@ class Codec:
     def fingerprint(self, record_name: str) -> bytes:
         return self._current[record_name].fingerprint
 
-    def encode(self, event: OperationEvent) -> bytes:
+    def encode(self, event: LedgerEvent) -> bytes:
         """One event as a single-object-encoded Avro record."""
         schema = self._current[_RECORD_OF[type(event)]]
         if schema.plain is None:
@@ -186,20 +192,41 @@ class Codec:
                     f"corrupt Avro body for {writer.name}: {type(exc).__name__}: {exc}"
                 ) from exc
             end = body.tell()
+            if end == len(data):
+                _require_canonical(writer, datum, data[HEADER_LENGTH:end])
         if end != len(data):
             raise DecodeError(f"{len(data) - end} trailing bytes after the {writer.name} body")
         return writer.name, datum
 
-    def decode(self, data: bytes) -> OperationEvent:
+    def decode(self, data: bytes) -> LedgerEvent:
         """Bytes from a topic -> a validated domain event; raises DecodeError with the reason."""
         name, datum = self.decode_datum(data)
         model = MODELS.get(name)
         if model is None:
-            raise DecodeError(f"{name} is not a record the operation topics carry")
+            raise DecodeError(f"{name} is not a record the opledger topics carry")
         try:
-            return model.model_validate(datum)
+            return model.model_validate(datum, context=READING)
         except ValidationError as exc:
             raise DecodeError(f"invalid {name}: {_summarise(exc)}") from exc
+
+    def decode_operation(self, data: bytes) -> OperationEvent:
+        """:meth:`decode` for the operation topics: a policy change there is a DecodeError."""
+        event = self.decode(data)
+        if isinstance(event, PolicyChanged):
+            raise DecodeError("a policy change is not an event of the operation topics")
+        return event
+
+
+def _require_canonical(writer: _Schema, datum: dict[str, Any], body: bytes) -> None:
+    """Refuse a body fastavro reads but would not write: its reader is lenient where ours is not
+    (a negative enum index, counted from the end of the symbols, reads as another symbol)."""
+    again = io.BytesIO()
+    try:
+        fastavro.schemaless_writer(again, writer.parsed, datum)
+    except Exception as exc:  # a datum its own schema cannot write back is not a valid one
+        raise DecodeError(f"corrupt Avro body for {writer.name}: {exc}") from exc
+    if again.getvalue() != body:
+        raise DecodeError(f"corrupt Avro body for {writer.name}: not in canonical encoding")
 
 
 def _summarise(exc: ValidationError) -> str:

@@ -69,5 +69,14 @@ class InDoubtError(RecordError):
         self.handle = handle
 
 
+class LeaseLostError(RecordError):
+    """This process does not (or no longer) hold the operation's lease: another may own it now.
+    Nothing was sent; take the operation over again (``take_over``) to continue it."""
+
+
+class UnknownToolError(RecordError, ValueError):
+    """No provider is registered for the tool; nothing was recorded."""
+
+
 class ResultStoreError(RecordError):
     """A result payload could not be stored or is not acceptable (size, content type, tenant)."""

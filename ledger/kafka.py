@@ -133,3 +133,32 @@ def consumer_config(
 def admin_config(settings: Settings, *, client_id: str = "opledger-admin") -> dict[str, Any]:
     """An admin client (topic creation, metadata, watermarks)."""
     return _common(settings, client_id)
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """The partition Java's default partitioner (and librdkafka's ``murmur2_random`` for a
+    non-empty key) puts ``key`` on: ``toPositive(murmur2(key)) % partitions``. Readers use it to
+    find an operation's records without scanning every partition."""
+    m, r, mask = 0x5BD1E995, 24, 0xFFFFFFFF
+    length = len(key)
+    h = (0x9747B28C ^ length) & mask
+    for i in range(0, length - length % 4, 4):
+        k = int.from_bytes(key[i : i + 4], "little")
+        k = (k * m) & mask
+        k ^= k >> r
+        k = (k * m) & mask
+        h = (h * m) & mask
+        h ^= k
+    tail = length % 4
+    base = length - tail
+    if tail == 3:
+        h ^= key[base + 2] << 16
+    if tail >= 2:
+        h ^= key[base + 1] << 8
+    if tail >= 1:
+        h ^= key[base]
+        h = (h * m) & mask
+    h ^= h >> 13
+    h = (h * m) & mask
+    h ^= h >> 15
+    return (h & 0x7FFFFFFF) % partitions

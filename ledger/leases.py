@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from ledger.errors import LeaseLostError
 from ledger.pg import retrying
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -33,10 +34,6 @@ COMPONENT = "ledger"
 
 #: Largest stored request (canonical JSON of the arguments).
 MAX_REQUEST_BYTES = 1024 * 1024
-
-
-class LeaseLostError(RuntimeError):
-    """This process no longer holds the lease: another may own the operation now."""
 
 
 def process_identity(role: str) -> str:
@@ -127,9 +124,10 @@ class LeaseStore:
         *,
         force: bool = False,
     ) -> dict[str, Lease]:
-        """Take the leases of ``(operation_id, tenant_id)`` pairs that expired (all of them with
-        ``force``, which a cancel uses), with a higher token; returns the ones taken. An
-        operation with no lease row (a writer without leases) gets token 1."""
+        """Take the leases of ``(operation_id, tenant_id)`` pairs that expired or that this owner
+        already holds (all of them with ``force``, which a cancel uses), with a higher token;
+        returns the ones taken. An operation with no lease row (a writer without leases) gets
+        token 1."""
         pairs = list(operations)
         if not pairs:
             return {}
@@ -152,7 +150,7 @@ class LeaseStore:
                                   updated_at = now()
                              FROM wanted w
                             WHERE l.operation_id = w.op AND l.tenant_id = w.tenant
-                              AND (l.expires_at <= now() OR %s)
+                              AND (l.expires_at <= now() OR %s OR l.owner = %s)
                               AND l.operation_id NOT IN (SELECT operation_id FROM fresh)
                            RETURNING l.operation_id, l.tenant_id, l.token
                        )
@@ -165,6 +163,7 @@ class LeaseStore:
                         self.owner,
                         ttl,
                         force,
+                        self.owner,
                     ),
                 ).fetchall()
             return [(str(r[0]), str(r[1]), int(r[2])) for r in rows]

@@ -27,6 +27,15 @@ class Metrics:
     projector_skipped_redelivered: Counter
     execution_oldest_age_seconds: Gauge
     delivery_oldest_age_seconds: Gauge
+    anomalies: Counter
+    reconciliations: Counter
+    provider_lookups: Counter
+    provider_calls: Counter
+    detector_transitions: Counter
+    resumed: Counter
+    lease_takeovers: Counter
+    parked_oldest_age_seconds: Gauge
+    recovery_pass_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -108,6 +117,62 @@ class Metrics:
                 "opledger_delivery_oldest_age_seconds",
                 "Age of the oldest unfinished (PENDING or SENT) delivery per destination.",
                 ["destination", "state"],
+                registry=registry,
+            ),
+            anomalies=Counter(
+                "opledger_anomalies_total",
+                "Refused events by kind: illegal, conflict, fenced (an append under a lease "
+                "taken over since), foreign_tenant, awaiting_execution.",
+                ["machine", "kind"],
+                registry=registry,
+            ),
+            reconciliations=Counter(
+                "opledger_reconciliations_total",
+                "Reconciliation decisions by outcome: succeeded, failed, new_attempt, refused, "
+                "parked, retry_lookup.",
+                ["outcome"],
+                registry=registry,
+            ),
+            provider_lookups=Counter(
+                "opledger_provider_lookups_total",
+                "Provider lookups by idempotency key, by result.",
+                ["tool", "result"],
+                registry=registry,
+            ),
+            provider_calls=Counter(
+                "opledger_provider_calls_total",
+                "Tool calls made by a worker (resumed intents and permitted new attempts), by "
+                "outcome: succeeded, failed, unknown.",
+                ["tool", "outcome"],
+                registry=registry,
+            ),
+            detector_transitions=Counter(
+                "opledger_detector_transitions_total",
+                "DISPATCHED operations with no live owner past their tool's timeout, recorded "
+                "UNKNOWN by the recovery worker.",
+                registry=registry,
+            ),
+            resumed=Counter(
+                "opledger_resumed_intents_total",
+                "Intents whose owner went away before dispatching, dispatched once by the "
+                "recovery worker (or refused by policy), by outcome.",
+                ["outcome"],
+                registry=registry,
+            ),
+            lease_takeovers=Counter(
+                "opledger_lease_takeovers_total",
+                "Operations taken over under a new lease (their previous lease had expired).",
+                registry=registry,
+            ),
+            parked_oldest_age_seconds=Gauge(
+                "opledger_parked_oldest_age_seconds",
+                "Age of the oldest operation parked for a person (0 when none is).",
+                registry=registry,
+            ),
+            recovery_pass_seconds=Histogram(
+                "opledger_recovery_pass_seconds",
+                "Time of one recovery pass (find, take over, load, decide, record).",
+                buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),
         )

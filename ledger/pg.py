@@ -20,19 +20,24 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ledger.domain.redact import redact
+from ledger.errors import RecordError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Every session reads timestamps in UTC: in another zone, instants near the ends of Python's
+#: datetime range (which the contract allows) would come back out of that range.
+SESSION_OPTIONS = "-c TimeZone=UTC"
 
 #: How long one call keeps trying to reach PostgreSQL (a restart takes a second or two).
 DEFAULT_RECONNECT_WINDOW_S = 10.0
 
 
-class DatabaseUnavailableError(RuntimeError):
+class DatabaseUnavailableError(RecordError):
     """PostgreSQL did not answer within the reconnect window; nothing was done."""
 
 
-class DatabaseError(RuntimeError):
+class DatabaseError(RecordError):
     """PostgreSQL refused the work (a constraint, a bad value); retrying would not help."""
 
 
@@ -43,7 +48,12 @@ def open_pool(dsn: str, *, name: str, max_size: int = 16) -> ConnectionPool[Any]
         dsn,
         min_size=1,
         max_size=max_size,
-        kwargs={"autocommit": True, "connect_timeout": 5, "application_name": name},
+        kwargs={
+            "autocommit": True,
+            "connect_timeout": 5,
+            "application_name": name,
+            "options": SESSION_OPTIONS,
+        },
         open=True,
         name=name,
     )

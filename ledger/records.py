@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ledger.domain.events import OperationEvent
+from ledger.domain.events import OperationEvent, PolicyChanged
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -26,6 +26,16 @@ class SourcedEvent:
 
     coordinates: Coordinates
     event: OperationEvent
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SourcedPolicyChange:
+    """A decoded policy change from the policy topic, keyed by its subject, and where it was
+    read from (policy_history keeps these coordinates: the audit trail outlives compaction)."""
+
+    coordinates: Coordinates
+    event: PolicyChanged
     timestamp_ms: int
 
 
@@ -73,17 +83,27 @@ class ProjectionBatch:
     next_offsets: Mapping[tuple[str, int], int]
     execution_topic: str = ""
     execution_end: Callable[[int], int] | None = None
+    #: policy changes in the batch, in log order; their offsets are in ``next_offsets`` too
+    policy_changes: Sequence[SourcedPolicyChange] = ()
 
 
 @dataclass(slots=True)
 class ProjectionReport:
     """What one batch did, for metrics and logs."""
 
-    applied: dict[str, int] = field(default_factory=lambda: {"execution": 0, "delivery": 0})
-    duplicates: dict[str, int] = field(default_factory=lambda: {"execution": 0, "delivery": 0})
-    anomalies: dict[str, int] = field(default_factory=lambda: {"execution": 0, "delivery": 0})
+    applied: dict[str, int] = field(
+        default_factory=lambda: {"execution": 0, "delivery": 0, "control": 0}
+    )
+    duplicates: dict[str, int] = field(
+        default_factory=lambda: {"execution": 0, "delivery": 0, "control": 0}
+    )
+    anomalies: dict[str, int] = field(
+        default_factory=lambda: {"execution": 0, "delivery": 0, "control": 0}
+    )
     dead_letters: int = 0
     skipped_redelivered: int = 0
+    #: policy changes folded into the policy tables
+    policy_changes: int = 0
     #: (topic, partition) -> offset to read again from: deliveries held back until their
     #: execution is projected (the sink committed that partition only up to there).
     rewind: dict[tuple[str, int], int] = field(default_factory=dict)

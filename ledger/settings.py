@@ -76,6 +76,18 @@ class Settings:
     #: OPLEDGER_PROJECTOR_WEB_BIND: address the projector's web server binds; loopback unless a
     #: container must expose /metrics to its network.
     projector_web_bind: str = "127.0.0.1"
+    #: OPLEDGER_RECOVERY_GROUP: consumer group of the recovery workers; its partition
+    #: assignment decides which operations each worker looks after.
+    recovery_group: str = "opledger-recovery"
+    #: OPLEDGER_RECOVERY_WEB_PORT: port of the recovery worker's /metrics and /healthz.
+    recovery_web_port: int = 16067
+    #: OPLEDGER_RECOVERY_INTERVAL_MS: how often the recovery worker looks for work.
+    recovery_interval_ms: int = 500
+    #: OPLEDGER_PROVIDERS: "module:function" returning the tool providers a worker may call
+    #: (called with the settings); empty: none (the worker then only reports what it finds).
+    providers: str = ""
+    #: OPLEDGER_FAKE_PROVIDER_URL: where the demo's fake tool provider listens.
+    fake_provider_url: str = "http://127.0.0.1:16077"
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -100,6 +112,11 @@ class Settings:
             projector_batch=_int(env, "OPLEDGER_PROJECTOR_BATCH", 5000),
             projector_web_port=_int(env, "OPLEDGER_PROJECTOR_WEB_PORT", 16066),
             projector_web_bind=env.get("OPLEDGER_PROJECTOR_WEB_BIND", "127.0.0.1"),
+            recovery_group=env.get("OPLEDGER_RECOVERY_GROUP", "opledger-recovery"),
+            recovery_web_port=_int(env, "OPLEDGER_RECOVERY_WEB_PORT", 16067),
+            recovery_interval_ms=_int(env, "OPLEDGER_RECOVERY_INTERVAL_MS", 500),
+            providers=env.get("OPLEDGER_PROVIDERS", ""),
+            fake_provider_url=env.get("OPLEDGER_FAKE_PROVIDER_URL", "http://127.0.0.1:16077"),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )
@@ -107,7 +124,13 @@ class Settings:
 
     def validated(self) -> Self:
         """Check ranges; errors name the ``OPLEDGER_*`` variable to fix."""
-        for name in ("kafka_port", "kafka_controller_port", "pg_port", "projector_web_port"):
+        for name in (
+            "kafka_port",
+            "kafka_controller_port",
+            "pg_port",
+            "projector_web_port",
+            "recovery_web_port",
+        ):
             port = getattr(self, name)
             if not 0 < port < 65536:
                 raise SettingsError(f"{_var(name)} must be a TCP port (1-65535), got {port}")
@@ -116,6 +139,15 @@ class Settings:
         if self.projector_batch < 1:
             raise SettingsError(
                 f"{_var('projector_batch')} must be at least 1, got {self.projector_batch}"
+            )
+        if self.recovery_interval_ms < 10:
+            raise SettingsError(
+                f"{_var('recovery_interval_ms')} must be at least 10, "
+                f"got {self.recovery_interval_ms}"
+            )
+        if self.providers and not re.fullmatch(r"[\w.]+:\w+", self.providers):
+            raise SettingsError(
+                f"{_var('providers')} must be 'package.module:function', got {self.providers!r}"
             )
         if not _TOPIC_PREFIX.match(self.topic_prefix):
             raise SettingsError(
@@ -147,3 +179,8 @@ class Settings:
     @property
     def dead_letter_topic(self) -> str:
         return f"{self.topic_prefix}.deadletter.v1"
+
+    @property
+    def policy_topic(self) -> str:
+        """The compacted topic of policy changes (grants, revocations), keyed by subject."""
+        return f"{self.topic_prefix}.policy.v1"

@@ -14,7 +14,9 @@ from types import MappingProxyType
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-# confluent_kafka.admin re-exports NewTopic implicitly, which mypy strict rejects.
+# confluent_kafka.admin re-exports these implicitly, which mypy strict rejects.
+from confluent_kafka.admin._config import ConfigResource
+from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
 from ledger.settings import Settings
@@ -47,8 +49,28 @@ _LOG_CONFIG: Mapping[str, str] = MappingProxyType(
 )
 
 
+# Policy is current state, not history: compaction keeps the last record per key (the subject
+# a record decides: ledger.domain.policy.grant_key / credential_key), so the topic stays small
+# however often a grant changes, and a replay still rebuilds today's policy. Revocations are
+# records, never tombstones, so they survive compaction with their version. The full trail of
+# changes is kept by the projector in policy_history, with each record's coordinates.
+_POLICY_CONFIG: Mapping[str, str] = MappingProxyType(
+    {
+        "cleanup.policy": "compact",
+        "min.insync.replicas": "1",
+        "message.timestamp.type": "CreateTime",
+    }
+)
+
+#: One partition: policy changes are rare (people and provisioning scripts write them), so one
+#: partition is far from a throughput limit; it gives every change one total order, which
+#: policy_history and the projector's stored position follow, and nothing has to be
+#: co-partitioned with the operation topics.
+POLICY_PARTITIONS = 1
+
+
 def topic_specs(settings: Settings) -> list[TopicSpec]:
-    """The execution, delivery and dead-letter topics for ``settings``."""
+    """The execution, delivery and dead-letter topics for ``settings`` (the append-only logs)."""
     return [
         TopicSpec(settings.execution_topic, settings.partitions, _LOG_CONFIG),
         TopicSpec(settings.delivery_topic, settings.partitions, _LOG_CONFIG),
@@ -57,9 +79,19 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
     ]
 
 
+def policy_topic_spec(settings: Settings) -> TopicSpec:
+    """The compacted policy topic for ``settings``."""
+    return TopicSpec(settings.policy_topic, POLICY_PARTITIONS, _POLICY_CONFIG)
+
+
+def all_topic_specs(settings: Settings) -> list[TopicSpec]:
+    """Every topic opledger writes: the logs and the policy topic."""
+    return [*topic_specs(settings), policy_topic_spec(settings)]
+
+
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
     """Create the topics if missing and check existing ones; safe to call any number of times."""
-    specs = topic_specs(settings)
+    specs = all_topic_specs(settings)
     admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
     _create(admin, specs, timeout)
     _verify(admin, specs, timeout)
@@ -107,6 +139,26 @@ def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
                 f"topic {spec.name} has {actual} partitions but settings ask for "
                 f"{spec.partitions}; key -> partition routing would change, so use a new "
                 f"topic_prefix or delete the topic"
+            )
+    _verify_cleanup(admin, specs, timeout)
+
+
+def _verify_cleanup(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
+    # A policy topic left with "delete" would lose grants to retention; a log topic with
+    # "compact" would lose history to compaction. Either is refused, not silently used.
+    resources = [ConfigResource(ResourceType.TOPIC, s.name) for s in specs]
+    described = {
+        resource.name: future.result(timeout)
+        for resource, future in admin.describe_configs(resources).items()
+    }
+    for spec in specs:
+        want = spec.config.get("cleanup.policy")
+        entry = described[spec.name].get("cleanup.policy")
+        actual = None if entry is None else entry.value
+        if want is not None and actual != want:
+            raise TopicError(
+                f"topic {spec.name} has cleanup.policy={actual} but opledger needs {want}; "
+                "use a new topic_prefix or delete the topic"
             )
 
 

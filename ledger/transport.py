@@ -52,11 +52,16 @@ class OutgoingRecord:
     headers: Headers
 
 
+#: Where acknowledged records were written: (topic, partition, offset) each.
+Positions = list[tuple[str, int, int]]
+
+
 class Transport(Protocol):
     """Appends records durably; the recorder depends on nothing else of Kafka."""
 
-    def send(self, records: Sequence[OutgoingRecord]) -> None:
-        """Return once the broker acknowledged every record; raise DeliveryError otherwise."""
+    def send(self, records: Sequence[OutgoingRecord]) -> Positions | None:
+        """Return once the broker acknowledged every record (where they were written, if the
+        transport knows); raise DeliveryError otherwise."""
         ...
 
     def close(self) -> None:
@@ -67,12 +72,14 @@ class Transport(Protocol):
 class _Reports:
     """The delivery reports of one call's records, filled in by the poller thread."""
 
-    __slots__ = ("_callbacks", "_done", "_lock", "errors", "expected", "received")
+    __slots__ = ("_callbacks", "_done", "_lock", "errors", "expected", "positions", "received")
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
         self.received = 0
         self.errors: list[tuple[KafkaError, str]] = []
+        #: (topic, partition, offset) of every record acknowledged
+        self.positions: list[tuple[str, int, int]] = []
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
@@ -82,6 +89,8 @@ class _Reports:
         with self._lock:
             if err is not None:
                 self.errors.append((err, msg.topic()))
+            else:
+                self.positions.append((msg.topic(), msg.partition(), msg.offset()))
             self.received += 1
             if self.received != self.expected:
                 return
@@ -205,19 +214,20 @@ class KafkaTransport:
                     time.sleep(0.005)
         return reports
 
-    def send(self, records: Sequence[OutgoingRecord]) -> None:
+    def send(self, records: Sequence[OutgoingRecord]) -> Positions:
         """Produce every record, then wait for their own acknowledgements (one wait)."""
         if not records:
-            return
+            return []
         reports = self.submit(records)
         if not reports.wait(self._wait_s):
             raise DeliveryTimeoutError(self._timeout_message(reports))
         self._check(reports)
+        return reports.positions
 
-    async def send_async(self, records: Sequence[OutgoingRecord]) -> None:
+    async def send_async(self, records: Sequence[OutgoingRecord]) -> Positions:
         """:meth:`send` for asyncio: the event loop is never blocked on an acknowledgement."""
         if not records:
-            return
+            return []
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -235,6 +245,7 @@ class KafkaTransport:
         except TimeoutError:
             raise DeliveryTimeoutError(self._timeout_message(reports)) from None
         self._check(reports)
+        return reports.positions
 
     def _check(self, reports: _Reports) -> None:
         self._note_reachable(reports)

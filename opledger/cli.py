@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ledger.settings import Settings, SettingsError
-from opledger import demo, ops, projector, stack
+from opledger import db, demo, ops, policy, projector, recover, stack
 from opledger.fakes import commands as fake_provider
 
 if TYPE_CHECKING:
@@ -109,8 +109,11 @@ def register_stack(commands: Commands) -> None:
 #: top-level imports light; point handlers at "module:function" strings) and list it here.
 REGISTRARS: list[Registrar] = [
     register_stack,
+    db.register,
     projector.register,
+    recover.register,
     ops.register,
+    policy.register,
     demo.register,
     fake_provider.register,
 ]

@@ -77,6 +77,16 @@ def register(commands: Any) -> None:
     show_parser.add_argument("operation_id", metavar="OP_ID")
     show_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
     show_parser.set_defaults(handler="opledger.ops:show_command")
+    cancel_parser = actions.add_parser(
+        "cancel",
+        help="cancel an operation: final before dispatch; after dispatch it is reconciled, "
+        "never attempted again",
+    )
+    cancel_parser.add_argument("operation_id", metavar="OP_ID")
+    cancel_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
+    cancel_parser.add_argument("--actor", required=True, help="who cancels (recorded)")
+    cancel_parser.add_argument("--reason", required=True, help="why (recorded; no secrets)")
+    cancel_parser.set_defaults(handler="opledger.ops:cancel_command")
 
 
 def _fail(message: str) -> int:
@@ -154,6 +164,27 @@ def show_command(args: argparse.Namespace, settings: Settings) -> int:
     if detail is None:
         return _fail(f"no operation {args.operation_id} for tenant {args.tenant}")
     _print_detail(_console(), detail)
+    return 0
+
+
+def cancel_command(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger ops cancel OP_ID``."""
+    from ledger.errors import RecordError  # noqa: PLC0415
+    from producers import TransitionRecorder  # noqa: PLC0415
+
+    try:
+        with TransitionRecorder.connect(settings, owner=f"cancel:{args.actor}") as recorder:
+            handle = recorder.cancel(args.operation_id, args.tenant, args.actor, args.reason)
+    except RecordError as exc:
+        return _fail(str(exc))
+    execution = handle.require_execution()
+    if execution.state.value == "FAILED":
+        print(f"{args.operation_id}: cancelled before dispatch (FAILED, no call was made)")
+    else:
+        print(
+            f"{args.operation_id}: cancelled while {execution.state.value}: it will be "
+            "reconciled with the provider and never attempted again"
+        )
     return 0
 
 

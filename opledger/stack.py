@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
-from opledger import supervisor
+from opledger import db, supervisor
 
 Echo = Callable[[str], None]
 
@@ -785,6 +785,8 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             specs = ensure_topics(settings)
         except TopicError as exc:
             raise StackError(str(exc)) from None
+        # Every component's tables, so the SDK and the workers find them (the SDK makes none).
+        db.migrate(settings.dsn)
         if not (kafka_ok and pg_ok):
             echo(
                 f"stack up: kafka {settings.bootstrap_servers}, postgres {settings.dsn}, "

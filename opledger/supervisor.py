@@ -68,8 +68,26 @@ def projector_healthz(settings: Settings) -> str:
 
 #: Every worker the local stack runs. Adding one is one line; its log, restarts and status line
 #: follow. Keep docker-compose.yml in step (a service with a `restart:` policy per worker).
+def recovery_healthz(settings: Settings) -> str:
+    return f"http://127.0.0.1:{settings.recovery_web_port}/healthz"
+
+
+def fake_provider_health(settings: Settings) -> str:
+    return f"{settings.fake_provider_url.rstrip('/')}/_control/health"
+
+
+#: The local stack's outside world: the demo's tools are served by the fake provider, and the
+#: recovery worker calls them unless OPLEDGER_PROVIDERS names real ones.
+LOCAL_PROVIDERS = "opledger.fakes.providers:from_settings"
+
 WORKERS: tuple[WorkerSpec, ...] = (
     WorkerSpec("projector", ("projector", "run"), ready_url=projector_healthz),
+    WorkerSpec(
+        "recovery",
+        ("recover", "run", "--default-providers", LOCAL_PROVIDERS),
+        ready_url=recovery_healthz,
+    ),
+    WorkerSpec("fake-provider", ("fake-provider", "run"), ready_url=fake_provider_health),
 )
 
 

@@ -1,10 +1,11 @@
-"""The projector's faust application: worker lifecycle, signal handling and a web server that
-serves ``/metrics``, hosting the batch reader as a service.
+"""The workers' faust application: worker lifecycle, signal handling and a web server that
+serves ``/metrics`` and ``/healthz``, hosting a worker's loop (the projector's batch reader, the
+recovery worker) as a service.
 
-The batch loop blocks (librdkafka polls, psycopg commits), so it runs on its own thread; faust's
-event loop stays free for the web server and the worker's housekeeping. If the loop fails, the
-worker crashes rather than idling with a dead projector: a process that is alive but not
-projecting is the failure the seed warns a heartbeat cannot see.
+The loop blocks (librdkafka polls, psycopg commits, provider calls), so it runs on its own thread;
+faust's event loop stays free for the web server and the worker's housekeeping. If the loop
+fails, the worker crashes rather than idling with a dead loop: a process that is alive but not
+working is the failure the seed warns a heartbeat cannot see.
 """
 
 from __future__ import annotations
@@ -12,37 +13,63 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import faust
 import mode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ledger.settings import Settings
-from processors.batch_reader import BatchProjector
 
-log = logging.getLogger("opledger.projector")
+log = logging.getLogger("opledger.worker")
 
 _METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST.partition("; charset")[0]
 
 
-def create_app(settings: Settings, projector: BatchProjector, registry: CollectorRegistry) -> Any:
-    """A faust App hosting ``projector``.
+class Health(Protocol):
+    def snapshot(self) -> dict[str, Any]: ...
 
-    Run it with ``faust.Worker(app).execute_from_commandline()``.
+
+class Loop(Protocol):
+    """What a worker's loop offers its host."""
+
+    @property
+    def health(self) -> Health: ...
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def create_app(
+    settings: Settings,
+    projector: Loop,
+    registry: CollectorRegistry,
+    *,
+    name: str = "projector",
+    web_port: int | None = None,
+    instance_id: str = "0",
+) -> Any:
+    """A faust App hosting ``projector`` (any :class:`Loop`) as worker ``name``.
+
+    Run it with ``faust.Worker(app).execute_from_commandline()``. ``instance_id`` must differ
+    between processes of the same worker that run at once (the recovery worker scales out).
     """
     app = faust.App(
-        f"{settings.topic_prefix}-projector",
+        # Not the worker's own consumer group name (the recovery group, the projector's
+        # commits): faust joins this group with its own protocol, and two protocols in one
+        # group are refused by the broker.
+        f"{settings.topic_prefix}-{name}-host",
         broker=f"kafka://{settings.bootstrap_servers}",
         store="memory://",
         web_enabled=True,
         web_bind=settings.projector_web_bind,
-        web_port=settings.projector_web_port,
+        web_port=settings.projector_web_port if web_port is None else web_port,
         web_in_thread=False,
         # faust's own consumer group (its leader topic) would make a restarted worker wait out
         # the killed member's session before services start; a static member id replaces the
-        # dead member at once. The projection's offsets live in PostgreSQL, not in this group.
-        consumer_group_instance_id=f"{settings.topic_prefix}-projector-0",
+        # dead member at once. Workers keep their own positions, not in this group.
+        consumer_group_instance_id=f"{settings.topic_prefix}-{name}-{instance_id}",
         broker_session_timeout=10.0,
     )
 
@@ -63,14 +90,15 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
             # A daemon thread, not the default executor: a SIGTERM that arrives while faust is
             # still starting may never reach on_stop, and a non-daemon thread would then keep
             # the process alive. Killing the loop mid-batch is safe: offsets commit with rows.
-            threading.Thread(target=run, name="opledger-projector", daemon=True).start()
+            threading.Thread(target=run, name=f"opledger-{name}", daemon=True).start()
             try:
                 failure = await finished
             finally:
                 projector.stop()
             if failure is not None:
                 log.error(
-                    "projector loop failed; crashing the worker so it is restarted",
+                    "%s loop failed; crashing the worker so it is restarted",
+                    name,
                     exc_info=failure,
                 )
                 await self.crash(failure)
@@ -88,7 +116,7 @@ def create_app(settings: Settings, projector: BatchProjector, registry: Collecto
 
     @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
-        # 503 while the projector waits for PostgreSQL or the broker: alive is not healthy.
+        # 503 while the loop waits for PostgreSQL or the broker: alive is not healthy.
         health = projector.health.snapshot()
         return web.json(health, status=200 if health["progressing"] else 503)
 

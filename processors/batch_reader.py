@@ -45,8 +45,9 @@ from confluent_kafka import (
 )
 
 from ledger.codec import Codec, DecodeError
+from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
-from ledger.kafka import consumer_config, producer_config
+from ledger.kafka import consumer_config, partition_for, producer_config
 from ledger.metrics import Metrics
 from ledger.records import (
     Coordinates,
@@ -57,12 +58,13 @@ from ledger.records import (
     RecordRefusedError,
     SinkUnavailableError,
     SourcedEvent,
+    SourcedPolicyChange,
 )
 from ledger.settings import Settings
 
 log = logging.getLogger("opledger.projector")
 
-_MACHINES = ("execution", "delivery")
+_MACHINES = ("execution", "delivery", "control")
 
 #: Largest record (key + value) republished whole to the dead-letter topic. The broker accepts
 #: records up to about 1 MiB (its message.max.bytes); a dead letter adds headers, so anything
@@ -96,19 +98,23 @@ class ReaderConfig:
 def reader_config(settings: Settings) -> ReaderConfig:
     return ReaderConfig(
         consumer_name=settings.projector_group,
-        topics=(settings.execution_topic, settings.delivery_topic),
+        topics=(settings.execution_topic, settings.delivery_topic, settings.policy_topic),
         execution_topic=settings.execution_topic,
         dead_letter_topic=settings.dead_letter_topic,
         batch_size=settings.projector_batch,
     )
 
 
-#: The kinds of event each operation topic carries: a transition of its machine, and on the
-#: execution topic the ownership changes and decisions that must be ordered with it.
+#: The kinds of event each topic carries: a transition of its machine, and on the execution
+#: topic the ownership changes and decisions that must be ordered with it; on the policy topic,
+#: policy changes only.
 TOPIC_KINDS = {
     "execution": frozenset({"execution", "ownership", "decision"}),
     "delivery": frozenset({"delivery"}),
+    "policy": frozenset({"policy"}),
 }
+#: How the policy topic's name ends (``Settings.policy_topic``: the prefix, then this).
+POLICY_TOPIC_SUFFIX = ".policy.v1"
 
 
 def classify(
@@ -120,8 +126,12 @@ def classify(
     key: bytes | None,
     value: bytes | None,
     timestamp_ms: int,
-) -> SourcedEvent | DeadLetter:
-    """Decode one raw record at the edge; anything unusable becomes a dead letter with a reason."""
+    partitions: int | None = None,
+) -> SourcedEvent | SourcedPolicyChange | DeadLetter:
+    """Decode one raw record at the edge; anything unusable becomes a dead letter with a reason.
+
+    ``partitions`` (the operation topics' partition count) also refuses an operation record
+    that is not on the partition its key maps to."""
     coords = Coordinates(topic, partition, offset)
     if value is None:
         return DeadLetter(coords, "empty record value", key, value, timestamp_ms)
@@ -129,8 +139,11 @@ def classify(
         event = codec.decode(value)
     except DecodeError as exc:
         return DeadLetter(coords, str(exc), key, value, timestamp_ms)
+    if topic.endswith(POLICY_TOPIC_SUFFIX):
+        return _classify_policy(coords, event, key, value, timestamp_ms)
     machine = "execution" if ".execution." in topic else "delivery"
-    if event.kind not in TOPIC_KINDS[machine]:
+    # (isinstance only narrows the type: a policy change's kind is in neither set.)
+    if event.kind not in TOPIC_KINDS[machine] or isinstance(event, PolicyChanged):
         return DeadLetter(
             coords, f"{event.kind} event on the {machine} topic", key, value, timestamp_ms
         )
@@ -140,14 +153,50 @@ def classify(
         return DeadLetter(
             coords, "record key is not the event's operation_id", key, value, timestamp_ms
         )
+    # Right key, wrong partition (a producer with librdkafka's default partitioner): it would
+    # be folded apart from the rest of its operation's history, and a replay could order it
+    # differently. Refused, like a wrong key.
+    if partitions is not None and partition != partition_for(key, partitions):
+        return DeadLetter(
+            coords,
+            f"record is on partition {partition}, but its key maps to "
+            f"{partition_for(key, partitions)} (murmur2, as every opledger writer partitions)",
+            key,
+            value,
+            timestamp_ms,
+        )
     return SourcedEvent(coords, event, timestamp_ms)
+
+
+def _classify_policy(
+    coords: Coordinates,
+    event: LedgerEvent,
+    key: bytes | None,
+    value: bytes,
+    timestamp_ms: int,
+) -> SourcedPolicyChange | DeadLetter:
+    if not isinstance(event, PolicyChanged):
+        reason = f"{event.kind} event on the policy topic"
+        return DeadLetter(coords, reason, key, value, timestamp_ms)
+    # Compaction keeps the last record per key: a record keyed otherwise than by the subject it
+    # decides would outlive, or erase, another subject's state. Refused rather than guessed at.
+    if key != event.subject_key():
+        return DeadLetter(
+            coords,
+            "record key is not the policy change's subject "
+            "(ledger.domain.policy.grant_key / credential_key)",
+            key,
+            value,
+            timestamp_ms,
+        )
+    return SourcedPolicyChange(coords, event, timestamp_ms)
 
 
 @dataclass(frozen=True, slots=True)
 class _Read:
     """One consumed record: what it decoded to, and its raw bytes (for the dead letters)."""
 
-    item: SourcedEvent | DeadLetter
+    item: SourcedEvent | SourcedPolicyChange | DeadLetter
     key: bytes | None
     value: bytes | None
 
@@ -192,7 +241,8 @@ class Health:
 
 
 class BatchProjector:
-    """Reads both topics in batches and hands each batch to a :class:`ProjectionSink`."""
+    """Reads the execution, delivery and policy topics in batches and hands each batch to a
+    :class:`ProjectionSink`."""
 
     def __init__(
         self,
@@ -222,6 +272,10 @@ class BatchProjector:
         self._published: set[Coordinates] = set()
         self._backoff_s = 0.0
         self._kafka_down: KafkaError | None = None
+        #: execution partition -> its end offset, as last asked for a held delivery
+        self._execution_ends: dict[int, int] = {}
+        #: paused delivery (topic, partition) -> execution position it waits for
+        self._waiting: dict[tuple[str, int], int] = {}
         self._kafka_checked_at = 0.0
         self.health = Health()
 
@@ -367,6 +421,7 @@ class BatchProjector:
                 key=key,
                 value=value,
                 timestamp_ms=timestamp_ms,
+                partitions=self._settings.partitions,
             )
             reads.append(_Read(item, key, value))
         return reads
@@ -397,11 +452,36 @@ class BatchProjector:
             _merge(total, report)
             rewound.update(report.rewind)
         for (topic, partition), offset in rewound.items():
-            # Deliveries whose execution is not projected yet: read them again after it is.
+            # Deliveries whose execution is not projected yet: read them again after it is,
+            # and not before: the partition waits (paused) until the execution partition is
+            # read up to where it ended when the deliveries were held.
             assert self._consumer is not None
-            self._consumer.seek(TopicPartition(topic, partition, offset))
+            held = TopicPartition(topic, partition, offset)
+            self._consumer.seek(held)
             self._positions[(topic, partition)] = offset
+            needed = self._execution_ends.get(partition)
+            if needed is not None:
+                self._consumer.pause([held])
+                self._waiting[(topic, partition)] = needed
+        self._resume_waiting()
         return total
+
+    def _resume_waiting(self) -> None:
+        """Resume held delivery partitions whose execution partition has caught up."""
+        if not self._waiting or self._consumer is None:
+            return
+        ready = [
+            (topic, partition)
+            for (topic, partition), needed in self._waiting.items()
+            if self._positions.get((self._config.execution_topic, partition), 0) >= needed
+        ]
+        for key in ready:
+            del self._waiting[key]
+            held = TopicPartition(key[0], key[1], self._positions[key])
+            self._consumer.resume([held])
+            # A paused partition's fetch position is where it was seeked to; say it again in
+            # case the pause raced the seek.
+            self._consumer.seek(held)
 
     def _isolate(self, read: _Read, reason: str) -> ProjectionReport:
         """Dead-letter the one record the sink refused, and commit that (with its offset)."""
@@ -432,12 +512,15 @@ class BatchProjector:
         started = time.perf_counter()
         events: list[SourcedEvent] = []
         dead: list[DeadLetter] = []
+        policy: list[SourcedPolicyChange] = []
         next_offsets: dict[tuple[str, int], int] = {}
         for read in part:
             if isinstance(read.item, SourcedEvent):
                 events.append(read.item)
-            else:
+            elif isinstance(read.item, DeadLetter):
                 dead.append(read.item)
+            else:
+                policy.append(read.item)
             c = read.coordinates
             next_offsets[(c.topic, c.partition)] = c.offset + 1
         if dead:
@@ -448,6 +531,7 @@ class BatchProjector:
             next_offsets,
             execution_topic=self._config.execution_topic,
             execution_end=self._execution_end,
+            policy_changes=policy,
         )
         fault_point("projector.before_commit")
         report = self._sink.project(self._config.consumer_name, batch)
@@ -472,6 +556,7 @@ class BatchProjector:
         _low, high = self._consumer.get_watermark_offsets(
             TopicPartition(self._config.execution_topic, partition), timeout=10, cached=False
         )
+        self._execution_ends[partition] = int(high)
         return int(high)
 
     # -- failures -------------------------------------------------------------------------------
@@ -647,7 +732,9 @@ class BatchProjector:
     def _observe(self, report: ProjectionReport, batch: ProjectionBatch, seconds: float) -> None:
         m = self._metrics
         m.projector_batch_seconds.observe(seconds)
-        m.projector_batch_events.observe(len(batch.events) + len(batch.dead_letters))
+        m.projector_batch_events.observe(
+            len(batch.events) + len(batch.dead_letters) + len(batch.policy_changes)
+        )
         for machine in _MACHINES:
             m.projected_events.labels(machine, "applied").inc(report.applied[machine])
             m.projected_events.labels(machine, "duplicate").inc(report.duplicates[machine])
@@ -655,6 +742,8 @@ class BatchProjector:
             m.duplicate_transitions.labels(machine).inc(report.duplicates[machine])
             m.illegal_transitions.labels(machine).inc(report.anomalies[machine])
         m.projector_skipped_redelivered.inc(report.skipped_redelivered)
+        if report.policy_changes:
+            m.projected_events.labels("policy", "applied").inc(report.policy_changes)
         # One observation per event, as the metric is documented; the bound method and the
         # inline clamp keep it to the histogram's own cost.
         now = self._clock()
@@ -704,4 +793,5 @@ def _merge(total: ProjectionReport, report: ProjectionReport) -> None:
         total.anomalies[machine] += report.anomalies[machine]
     total.dead_letters += report.dead_letters
     total.skipped_redelivered += report.skipped_redelivered
+    total.policy_changes += report.policy_changes
     total.rewind.update(report.rewind)

@@ -16,13 +16,16 @@ carry only their ``sha256:`` reference.
 """
 
 from ledger.errors import (
+    ConflictError,
     DeliveryError,
     DeliveryTimeoutError,
     IllegalTransitionError,
     InDoubtError,
     InvalidTransitionError,
+    LeaseLostError,
     RecordError,
     ResultStoreError,
+    UnknownToolError,
 )
 from ledger.kafka import producer_config
 from ledger.results import MAX_RESULT_BYTES, ResultStore
@@ -33,6 +36,7 @@ from ledger.transport import (
     Transport,
 )
 from producers.aio import AsyncTransitionRecorder
+from producers.execution import Execution
 from producers.operation import OperationState, TrackedOperation
 from producers.recorder import TransitionRecorder, clean_error
 
@@ -40,12 +44,15 @@ __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",
     "MAX_RESULT_BYTES",
     "AsyncTransitionRecorder",
+    "ConflictError",
     "DeliveryError",
     "DeliveryTimeoutError",
+    "Execution",
     "IllegalTransitionError",
     "InDoubtError",
     "InvalidTransitionError",
     "KafkaTransport",
+    "LeaseLostError",
     "OperationState",
     "OutgoingRecord",
     "RecordError",
@@ -54,6 +61,7 @@ __all__ = [
     "TrackedOperation",
     "TransitionRecorder",
     "Transport",
+    "UnknownToolError",
     "clean_error",
     "producer_config",
 ]

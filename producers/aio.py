@@ -19,11 +19,11 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Self
 
 from ledger.codec import Codec
-from ledger.domain.events import Transition
+from ledger.domain.events import OperationEvent
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import DeliveryError, IllegalTransitionError, RecordError
 from ledger.faults import fault_point
@@ -32,7 +32,15 @@ from ledger.results import ResultStore
 from ledger.settings import Settings
 from ledger.transport import DEFAULT_DELIVERY_TIMEOUT_S, KafkaTransport, Transport
 from producers.operation import TrackedOperation, as_aware
-from producers.recorder import Clock, Entropy, Plan, RecorderCore, clean_error
+from producers.recorder import (
+    FIRST_TOKEN,
+    Clock,
+    Entropy,
+    Plan,
+    RecorderCore,
+    canonical_request,
+    clean_error,
+)
 
 
 class AsyncTransitionRecorder(RecorderCore):
@@ -96,12 +104,34 @@ class AsyncTransitionRecorder(RecorderCore):
         tool_name: str,
         arguments: Any,
         operation_id: str | None = None,
+        *,
+        lease_ttl: timedelta | None = None,
     ) -> TrackedOperation:
         """See :meth:`TransitionRecorder.intent`."""
         handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
-        await self._run(
-            [handle], lambda: self._plan_intent(handle, tenant_id, actor_id, tool_name, arguments)
+        request, request_hash = canonical_request(tool_name, arguments)
+        event = self._intent_event(
+            handle.operation_id,
+            tenant_id=tenant_id,
+            actor_id=actor_id,
+            tool_name=tool_name,
+            request_hash=request_hash,
+            lease_token=None if self._leases is None else FIRST_TOKEN,
         )
+        if self._leases is not None:
+            leases = self._leases
+            handle.lease = await asyncio.get_running_loop().run_in_executor(
+                self._store_pool,
+                lambda: leases.create(
+                    handle.operation_id,
+                    tenant_id,
+                    self._lease_ttl if lease_ttl is None else lease_ttl,
+                    tool_name=tool_name,
+                    request_hash=request_hash,
+                    request=request,
+                ),
+            )
+        await self._run([handle], lambda: self._plan_events(handle, [event]))
         return handle
 
     async def dispatched(
@@ -234,7 +264,7 @@ class AsyncTransitionRecorder(RecorderCore):
         )
 
     async def append(
-        self, events: Sequence[Transition], *, known: Iterable[TrackedOperation] = ()
+        self, events: Sequence[OperationEvent], *, known: Iterable[TrackedOperation] = ()
     ) -> dict[str, TrackedOperation]:
         """See :meth:`TransitionRecorder.append`."""
         handles = {h.operation_id: h for h in known}

@@ -30,6 +30,7 @@ from ledger.domain.fold import (
 )
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import ConflictError, IllegalTransitionError, InvalidTransitionError
+from ledger.leases import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +126,15 @@ class TrackedOperation:
     events, and the only step allowed is sending those identical events again.
     """
 
-    __slots__ = ("_async_lock", "_in_doubt", "_lock", "_state")
+    __slots__ = ("_async_lock", "_in_doubt", "_lock", "_state", "lease")
 
-    def __init__(self, state: OperationState) -> None:
+    def __init__(self, state: OperationState, lease: Lease | None = None) -> None:
         self._state = state
         self._lock = threading.Lock()
         self._async_lock: asyncio.Lock | None = None
         self._in_doubt: InDoubt | None = None
+        #: the lease this process advances the operation under (None: recorded without leases)
+        self.lease = lease
 
     @classmethod
     def from_records(

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from pydantic import ValidationError
 
@@ -35,9 +35,12 @@ from ledger.domain.events import (
     MAX_ERROR_LENGTH,
     DeliveryTransitioned,
     ExecutionTransitioned,
+    OperationEvent,
+    OwnershipTaken,
+    ReconciliationDecided,
     Transition,
 )
-from ledger.domain.redact import redact
+from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import (
     DELIVERY_TRANSITIONS,
     EXECUTION_TRANSITIONS,
@@ -50,18 +53,26 @@ from ledger.errors import (
     IllegalTransitionError,
     InDoubtError,
     InvalidTransitionError,
+    LeaseLostError,
     RecordError,
 )
 from ledger.faults import fault_point
+from ledger.history import HistoryReader
+from ledger.leases import LeaseStore, process_identity
 from ledger.metrics import Metrics
+from ledger.pg import open_pool
 from ledger.results import ResultStore
+from ledger.secrets import scrub
 from ledger.settings import Settings
+from ledger.tools import Provider
 from ledger.transport import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
     OutgoingRecord,
     Transport,
 )
+from producers import execution
+from producers.execution import Execution
 from producers.operation import (
     InDoubt,
     OperationState,
@@ -75,20 +86,56 @@ from producers.operation import (
 
 SCHEMA_HEADER = "opledger-schema"
 TENANT_HEADER = "tenant_id"
-_EXECUTION_SCHEMA = b"ExecutionTransitioned"
-_DELIVERY_SCHEMA = b"DeliveryTransitioned"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 Clock = Callable[[], int]
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
 """Nanoseconds since the epoch (``time.time_ns``)."""
 Entropy = Callable[[int], bytes]
 """``n`` random bytes (``os.urandom``)."""
 
 
+def _policy_check(pool: Any) -> PolicyCheck | None:
+    """The policy store's evaluation over ``pool``, when this installation has one."""
+    try:
+        from ledger.policy_store import PolicyStore  # type: ignore[import-untyped,unused-ignore]  # noqa: PLC0415  # lands with the policy topic
+    except ImportError:
+        return None
+    store = PolicyStore(pool)
+    check: PolicyCheck = store.evaluate
+    return check
+
+
+#: How long a lease lasts when the caller does not say (``execute`` sizes it from the tool).
+DEFAULT_LEASE_TTL = timedelta(seconds=60)
+#: A new operation's first lease token.
+FIRST_TOKEN = 1
+
+PolicyCheck = Callable[[PolicyRequest], PolicyDecision]
+"""Evaluates policy now (``ledger.policy_store.PolicyStore.evaluate``)."""
+
+
+def canonical_request(tool_name: str, arguments: Any) -> tuple[bytes, str]:
+    """The stored request (canonical JSON of the arguments) and its hash, or a clear error."""
+    try:
+        return ids.canonical_json(arguments), ids.request_hash(tool_name, arguments)
+    except (TypeError, ValueError) as exc:
+        raise InvalidTransitionError(
+            f"arguments are not canonical JSON ({exc}): pass JSON-serialisable values "
+            "without NaN or infinity; nothing was sent"
+        ) from exc
+
+
 def clean_error(error: str | BaseException) -> str:
-    """Error text safe to put in an event: credentials redacted, bounded length."""
+    """Error text safe to put in an event: credentials redacted (detect-secrets and the
+    contract's own shapes), bounded length (cut without splitting a placeholder)."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return redact(text)[:MAX_ERROR_LENGTH]
+    return scrub(text, max_length=MAX_ERROR_LENGTH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +172,11 @@ class RecorderCore:
         entropy: Entropy = os.urandom,
         codec: Codec | None = None,
         metrics: Metrics | None = None,
+        leases: LeaseStore | None = None,
+        history: HistoryReader | None = None,
+        providers: Iterable[Provider] = (),
+        policy: PolicyCheck | None = None,
+        lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     ) -> None:
         self._settings = settings
         self._clock_ns = clock_ns
@@ -133,6 +185,11 @@ class RecorderCore:
         self._metrics = metrics
         self._execution_topic = settings.execution_topic
         self._delivery_topic = settings.delivery_topic
+        self._leases = leases
+        self._history = history
+        self._providers = {p.tool_name: p for p in providers}
+        self._policy = policy
+        self._lease_ttl = lease_ttl
 
     def new_operation_id(self) -> str:
         """A fresh ``op_`` ULID from this recorder's clock and entropy."""
@@ -140,32 +197,27 @@ class RecorderCore:
 
     # -- planners (called with the handles' locks held) ---------------------------------------
 
-    def _plan_intent(
+    def _intent_event(
         self,
-        handle: TrackedOperation,
+        operation_id: str,
+        *,
         tenant_id: str,
         actor_id: str,
         tool_name: str,
-        arguments: Any,
-    ) -> Plan | None:
-        try:
-            request_hash = ids.request_hash(tool_name, arguments)
-        except (TypeError, ValueError) as exc:
-            raise InvalidTransitionError(
-                f"arguments are not canonical JSON ({exc}): pass JSON-serialisable values "
-                "without NaN or infinity; nothing was sent"
-            ) from exc
-        event = self._build(
+        request_hash: str,
+        lease_token: int | None,
+    ) -> Transition:
+        return self._build(
             ExecutionTransitioned,
-            operation_id=handle.operation_id,
+            operation_id=operation_id,
             tenant_id=tenant_id,
             actor_id=actor_id,
             attempt=0,
             state=ExecutionState.INTENT_RECORDED,
             tool_name=tool_name,
             request_hash=request_hash,
+            lease_token=lease_token,
         )
-        return self._plan_events(handle, [event])
 
     def _plan_execution(
         self,
@@ -177,9 +229,11 @@ class RecorderCore:
         result: bytes | str | None = None,
         error: str | None = None,
         content_type: str = "application/octet-stream",
+        decision_id: str | None = None,
     ) -> Plan | None:
         _require_settled(handle)
         current = handle.require_execution()
+        _require_lease(handle)
         if state is not current.state and state not in EXECUTION_TRANSITIONS[current.state]:
             # Checked before the event is built: the event model would otherwise refuse the
             # attempt number first, with a less useful message than the table's.
@@ -214,6 +268,8 @@ class RecorderCore:
             provider_ref=provider_ref,
             result_ref=result_ref,
             error=error,
+            lease_token=None if handle.lease is None else handle.lease.token,
+            decision_id=decision_id,
         )
         plan = self._plan_events(handle, [event])
         if plan is None:
@@ -283,19 +339,25 @@ class RecorderCore:
         return Plan((_Part(handle, InDoubt(tuple(sent), records, state)),))
 
     def _plan_append(
-        self, events: Sequence[Transition], handles: dict[str, TrackedOperation]
+        self, events: Sequence[OperationEvent], handles: dict[str, TrackedOperation]
     ) -> Plan | None:
         working: dict[str, OperationState] = {}
-        sent: dict[str, list[Transition]] = {}
-        for index, event in enumerate(events):
-            if not isinstance(event, ExecutionTransitioned | DeliveryTransitioned):
+        sent: dict[str, list[OperationEvent]] = {}
+        for index, given in enumerate(events):
+            event = given
+            if not isinstance(event, _APPENDABLE):
                 raise InvalidTransitionError(
                     f"event {index} is a {type(event).__name__}, not a transition; nothing was sent"
                 )
             operation_id = event.operation_id
+            handle = handles.get(operation_id)
+            if handle is not None and handle.lease is not None:
+                _require_lease(handle)
+                if isinstance(event, ExecutionTransitioned) and event.lease_token is None:
+                    # Written under the handle's lease: say so, or it would be fenced.
+                    event = event.model_copy(update={"lease_token": handle.lease.token})
             state = working.get(operation_id)
             if state is None:
-                handle = handles.get(operation_id)
                 if handle is not None:
                     _require_settled(handle)
                 state = handle.state if handle else OperationState(operation_id)
@@ -372,16 +434,32 @@ class RecorderCore:
                 f"invalid {model.__name__} ({problems}): fix the arguments; nothing was sent"
             ) from None
 
-    def _outgoing(self, event: Transition) -> OutgoingRecord:
-        if isinstance(event, ExecutionTransitioned):
-            topic, schema = self._execution_topic, _EXECUTION_SCHEMA
+    def _outgoing(self, event: OperationEvent) -> OutgoingRecord:
+        if isinstance(event, DeliveryTransitioned):
+            topic = self._delivery_topic
         else:
-            topic, schema = self._delivery_topic, _DELIVERY_SCHEMA
+            # Ownership changes and decisions are ordered with the transitions they govern.
+            topic = self._execution_topic
+        schema = type(event).__name__.encode()
         return OutgoingRecord(
             topic,
             event.operation_id.encode("ascii"),
             self._codec.encode(event),
             [(SCHEMA_HEADER, schema), (TENANT_HEADER, event.tenant_id.encode("utf-8"))],
+        )
+
+
+_APPENDABLE = (ExecutionTransitioned, DeliveryTransitioned, OwnershipTaken, ReconciliationDecided)
+
+
+def _require_lease(handle: TrackedOperation) -> None:
+    """Refuse, before anything is sent, to write under a lease this process may have lost: past
+    its local deadline another process may already own the operation."""
+    lease = handle.lease
+    if lease is not None and not lease.valid():
+        raise LeaseLostError(
+            f"{handle.operation_id}: the lease (token {lease.token}) ran out; another process "
+            "may own the operation now. Take it over again to continue; nothing was sent"
         )
 
 
@@ -431,9 +509,25 @@ class TransitionRecorder(RecorderCore):
         entropy: Entropy = os.urandom,
         codec: Codec | None = None,
         metrics: Metrics | None = None,
-        owns: Sequence[Transport | ResultStore] = (),
+        owns: Sequence[Closeable] = (),
+        leases: LeaseStore | None = None,
+        history: HistoryReader | None = None,
+        providers: Iterable[Provider] = (),
+        policy: PolicyCheck | None = None,
+        lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     ) -> None:
-        super().__init__(settings, clock_ns=clock_ns, entropy=entropy, codec=codec, metrics=metrics)
+        super().__init__(
+            settings,
+            clock_ns=clock_ns,
+            entropy=entropy,
+            codec=codec,
+            metrics=metrics,
+            leases=leases,
+            history=history,
+            providers=providers,
+            policy=policy,
+            lease_ttl=lease_ttl,
+        )
         self._transport = transport
         self._results = results
         self._owned = list(owns)
@@ -443,30 +537,89 @@ class TransitionRecorder(RecorderCore):
         cls,
         settings: Settings,
         *,
-        with_results: bool = True,
+        providers: Iterable[Provider] = (),
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
         compression: str = "lz4",
         metrics: Metrics | None = None,
         wrap_transport: Callable[[Transport], Transport] | None = None,
+        with_results: bool = True,
+        owner: str | None = None,
     ) -> Self:
-        """A recorder with its own Kafka producer and (optionally) result store at settings.dsn.
+        """A recorder with its own Kafka producer and one PostgreSQL pool (at settings.dsn) for
+        results, leases, stored requests, policy and history reads.
 
-        The result store's migrations are applied here, so ``succeeded(result=bytes)`` works.
+        Nothing here creates tables: run ``opledger db migrate`` (the workers do at start-up).
+        ``owner`` names this recorder as a lease holder (made unique: name@host:pid/random, so
+        two recorders never pass for one another).
         ``wrap_transport`` interposes on every send (fault injection in the demo and tests).
+        ``with_results=False`` gives a recorder without PostgreSQL (no results, leases, policy).
         """
         transport: Transport = KafkaTransport(
             settings, delivery_timeout_s=delivery_timeout_s, compression=compression
         )
         if wrap_transport is not None:
             transport = wrap_transport(transport)
-        results = None
-        if with_results:
-            results = ResultStore.connect(settings.dsn)
-            results.migrate()
-        owned: list[Transport | ResultStore] = [transport]
-        if results is not None:
-            owned.append(results)
-        return cls(settings, transport, results=results, metrics=metrics, owns=owned)
+        if not with_results:
+            return cls(settings, transport, metrics=metrics, owns=[transport], providers=providers)
+        pool = open_pool(settings.dsn, name="opledger-sdk")
+        history = HistoryReader(settings, pool)
+        return cls(
+            settings,
+            transport,
+            results=ResultStore(pool),
+            metrics=metrics,
+            owns=[transport, history, pool],
+            leases=LeaseStore(pool, process_identity(owner or "sdk")),
+            history=history,
+            providers=providers,
+            policy=_policy_check(pool),
+        )
+
+    # -- the everyday form and ownership (producers/execution.py) ------------------------------
+
+    def execute(
+        self,
+        tenant_id: str,
+        actor_id: str,
+        tool_name: str,
+        arguments: Any,
+        *,
+        operation_id: str | None = None,
+    ) -> Execution:
+        """Run one tool call through the ledger with its registered provider: intent (lease and
+        request stored first), policy, dispatch, call, result, outcome. Lost contact is UNKNOWN,
+        returned, never raised (``producers.execution``)."""
+        return execution.execute(
+            self, tenant_id, actor_id, tool_name, arguments, operation_id=operation_id
+        )
+
+    def resume(self, handle: TrackedOperation) -> Execution:
+        """Dispatch (once) an intent taken over from an owner that went away before it did."""
+        return execution.resume(self, handle)
+
+    def load(self, operation_id: str, tenant_id: str) -> TrackedOperation:
+        """The operation as the log says it is now (read-only handle, no lease)."""
+        return execution.load(self, operation_id, tenant_id)
+
+    def cancel(
+        self, operation_id: str, tenant_id: str, actor_id: str, reason: str
+    ) -> TrackedOperation:
+        """Cancel an operation: final before dispatch, reconciled (never retried) after it."""
+        return execution.cancel(self, operation_id, tenant_id, actor_id, reason)
+
+    def take_over(
+        self,
+        operation_id: str,
+        tenant_id: str,
+        *,
+        reason: str,
+        ttl: timedelta | None = None,
+        force: bool = False,
+    ) -> TrackedOperation:
+        """Take the operation over under a new lease (recorded first), as it is now."""
+        return execution.take_over(
+            self, operation_id, tenant_id, reason=reason, ttl=ttl, force=force
+        )
 
     # -- execution ---------------------------------------------------------------------------
 
@@ -477,17 +630,40 @@ class TransitionRecorder(RecorderCore):
         tool_name: str,
         arguments: Any,
         operation_id: str | None = None,
+        *,
+        lease_ttl: timedelta | None = None,
     ) -> TrackedOperation:
         """Record INTENT_RECORDED for a new operation; returns its handle once acknowledged.
+
+        With a lease store (``connect`` has one), the operation's lease (token 1, for
+        ``lease_ttl``) and its request are stored first, in one commit: the request lets a
+        recovery worker dispatch the intent if this process goes away before it does.
 
         ``operation_id`` defaults to a fresh ``op_`` ULID; pass one to record a known operation.
         Only the hash of ``arguments`` (canonical JSON) travels, never the arguments. If the
         append fails, the error's ``handles`` holds the handle, in doubt: resend it.
         """
         handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
-        self._run(
-            [handle], lambda: self._plan_intent(handle, tenant_id, actor_id, tool_name, arguments)
+        request, request_hash = canonical_request(tool_name, arguments)
+        # Validated before the lease is taken: nothing is stored for an intent that cannot be.
+        event = self._intent_event(
+            handle.operation_id,
+            tenant_id=tenant_id,
+            actor_id=actor_id,
+            tool_name=tool_name,
+            request_hash=request_hash,
+            lease_token=None if self._leases is None else FIRST_TOKEN,
         )
+        if self._leases is not None:
+            handle.lease = self._leases.create(
+                handle.operation_id,
+                tenant_id,
+                self._lease_ttl if lease_ttl is None else lease_ttl,
+                tool_name=tool_name,
+                request_hash=request_hash,
+                request=request,
+            )
+        self._run([handle], lambda: self._plan_events(handle, [event]))
         return handle
 
     def dispatched(
@@ -628,15 +804,17 @@ class TransitionRecorder(RecorderCore):
     # -- batches and doubt ---------------------------------------------------------------------
 
     def append(
-        self, events: Sequence[Transition], *, known: Iterable[TrackedOperation] = ()
+        self, events: Sequence[OperationEvent], *, known: Iterable[TrackedOperation] = ()
     ) -> dict[str, TrackedOperation]:
         """Append many already-built events with one wait for all acknowledgements.
 
         Each event is folded, in order, onto its operation: the handle in ``known`` if given
         (updated after the ack), else an empty history, so an operation whose earlier events
         were appended by another call must be passed in ``known`` (a delivery needs its
-        execution). One illegal event refuses the whole batch before anything is sent; repeats
-        are dropped. Returns the handles of every operation touched.
+        execution). An execution event of a handle holding a lease is written under that lease
+        (its token is filled in when the event has none). One illegal event refuses the whole
+        batch before anything is sent; repeats are dropped. Returns the handles of every
+        operation touched.
         """
         handles = {h.operation_id: h for h in known}
         touched: dict[str, TrackedOperation] = {}

@@ -39,6 +39,8 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
+from ledger.domain.policy import PolicyChange
+from ledger.pg import SESSION_OPTIONS
 from ledger.records import (
     DeadLetter,
     OpenAges,
@@ -47,6 +49,7 @@ from ledger.records import (
     RecordRefusedError,
     SinkUnavailableError,
     SourcedEvent,
+    SourcedPolicyChange,
 )
 from ledger.rows import (
     DELIVERY_COLUMNS,
@@ -290,7 +293,11 @@ class PostgresProjection:
     def connect(cls, dsn: str) -> PostgresProjection:
         try:
             conn = psycopg.connect(
-                dsn, autocommit=True, application_name="opledger-projector", connect_timeout=5
+                dsn,
+                autocommit=True,
+                application_name="opledger-projector",
+                options=SESSION_OPTIONS,
+                connect_timeout=5,
             )
         except psycopg.OperationalError as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
@@ -351,7 +358,11 @@ class PostgresProjection:
         """Replace the connection (after PostgreSQL went away); raises SinkUnavailableError."""
         try:
             conn = psycopg.connect(
-                self._dsn, autocommit=True, application_name="opledger-projector", connect_timeout=5
+                self._dsn,
+                autocommit=True,
+                application_name="opledger-projector",
+                options=SESSION_OPTIONS,
+                connect_timeout=5,
             )
         except psycopg.Error as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
@@ -394,8 +405,18 @@ class PostgresProjection:
                 for d in batch.dead_letters
                 if d.coordinates.offset >= stored[(d.coordinates.topic, d.coordinates.partition)]
             ]
+            policy = [
+                p
+                for p in batch.policy_changes
+                if p.coordinates.offset >= stored[(p.coordinates.topic, p.coordinates.partition)]
+            ]
             report.skipped_redelivered = (
-                len(batch.events) + len(batch.dead_letters) - len(fresh) - len(dead)
+                len(batch.events)
+                + len(batch.dead_letters)
+                + len(batch.policy_changes)
+                - len(fresh)
+                - len(dead)
+                - len(policy)
             )
             folded = self._fold(cur, fresh, report, batch, stored)
             next_offsets = dict(batch.next_offsets)
@@ -409,6 +430,9 @@ class PostgresProjection:
             self._copy(cur, "reconciliations", _RECONCILIATION_COLUMNS, folded.reconciliations)
             self._copy(cur, "dead_letters", _DEAD_LETTER_COLUMNS, [_dead_row(d) for d in dead])
             report.dead_letters = len(dead)
+            if policy:
+                _write_policy(cur, policy)
+                report.policy_changes = len(policy)
             self._write_current(
                 cur,
                 table="agent_operations",
@@ -655,3 +679,135 @@ class PostgresProjection:
             raise ProjectionConflictError(
                 f"{table}: guarded update changed {cur.rowcount} of {len(updates)} rows"
             )
+
+
+# -- policy ----------------------------------------------------------------------------------------
+
+_POLICY_HISTORY_COLUMNS = (
+    "topic",
+    "partition",
+    "offset",
+    "event_id",
+    "tenant_id",
+    "actor_id",
+    "change",
+    "principal",
+    "tool_name",
+    "destinations",
+    "repeat_safe",
+    "expires_at",
+    "credential_id",
+    "credential_scopes",
+    "credential_expires_at",
+    "reason",
+    "occurred_at",
+)
+_GRANT_COLUMNS = (
+    "tenant_id",
+    "principal",
+    "tool_name",
+    "revoked",
+    "destinations",
+    "repeat_safe",
+    "expires_at",
+    "credential_id",
+    "credential_scopes",
+    "credential_expires_at",
+    "version",
+    "updated_at",
+    "changed_by",
+    "reason",
+)
+_REVOKED_CREDENTIAL_COLUMNS = (
+    "tenant_id",
+    "credential_id",
+    "revoked_at",
+    "version",
+    "revoked_by",
+    "reason",
+)
+
+
+def _upsert(table: str, columns: Sequence[str], keys: Sequence[str]) -> str:
+    updates = ", ".join(f'"{c}" = EXCLUDED."{c}"' for c in columns if c not in keys)
+    placeholders = ", ".join(["%s"] * len(columns))
+    return (
+        f"INSERT INTO {table} ({_cols(columns)}) VALUES ({placeholders}) "
+        f"ON CONFLICT ({_cols(keys)}) DO UPDATE SET {updates}"
+    )
+
+
+_UPSERT_GRANT = _upsert("policy_grants", _GRANT_COLUMNS, ("tenant_id", "principal", "tool_name"))
+_UPSERT_REVOKED_CREDENTIAL = _upsert(
+    "revoked_credentials", _REVOKED_CREDENTIAL_COLUMNS, ("tenant_id", "credential_id")
+)
+_INSERT_POLICY_HISTORY = (
+    f"INSERT INTO policy_history ({_cols(_POLICY_HISTORY_COLUMNS)}) "
+    f"VALUES ({', '.join(['%s'] * len(_POLICY_HISTORY_COLUMNS))})"
+)
+
+
+def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChange]) -> None:
+    """Fold policy changes (in log order) into the policy tables, in the batch's transaction.
+
+    The state of a subject is its last record's, whatever came before: the same rows a replay of
+    the compacted topic (which keeps only that record) gives. Changes are rare, so plain
+    statements do; the operation records' COPY path is not involved.
+    """
+    history: list[tuple[Any, ...]] = []
+    grants: dict[bytes, tuple[Any, ...]] = {}
+    credentials: dict[bytes, tuple[Any, ...]] = {}
+    for item in changes:
+        c, e = item.coordinates, item.event
+        history.append(
+            (
+                c.topic,
+                c.partition,
+                c.offset,
+                e.event_id,
+                e.tenant_id,
+                e.actor_id,
+                e.change.value,
+                e.principal,
+                e.tool_name,
+                list(e.destinations),
+                e.repeat_safe,
+                e.expires_at,
+                e.credential_id,
+                list(e.credential_scopes),
+                e.credential_expires_at,
+                e.reason,
+                e.occurred_at,
+            )
+        )
+        if e.change is PolicyChange.REVOKE_CREDENTIAL:
+            credentials[e.subject_key()] = (
+                e.tenant_id,
+                e.credential_id,
+                e.occurred_at,
+                e.event_id,
+                e.actor_id,
+                e.reason,
+            )
+            continue
+        grants[e.subject_key()] = (
+            e.tenant_id,
+            e.principal,
+            e.tool_name,
+            e.change is PolicyChange.REVOKE,
+            list(e.destinations),
+            e.repeat_safe,
+            e.expires_at,
+            e.credential_id,
+            list(e.credential_scopes),
+            e.credential_expires_at,
+            e.event_id,
+            e.occurred_at,
+            e.actor_id,
+            e.reason,
+        )
+    cur.executemany(_INSERT_POLICY_HISTORY, history)
+    if grants:
+        cur.executemany(_UPSERT_GRANT, list(grants.values()))
+    if credentials:
+        cur.executemany(_UPSERT_REVOKED_CREDENTIAL, list(credentials.values()))

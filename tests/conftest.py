@@ -20,13 +20,24 @@ from psycopg.conninfo import make_conninfo
 
 from ledger.settings import Settings
 from ledger.topics import ensure_topics
-from opledger import stack
+from opledger import db, stack
 
 # Two cores are shared with Kafka and PostgreSQL: a slow example is not a failing one.
 hypothesis_settings.register_profile("opledger", deadline=None)
 hypothesis_settings.load_profile("opledger")
 
 _TIERS = {"integration": "integration", "chaos": "chaos"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--edge-records",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="records tests/integration/test_edge_generative.py pushes through the projector "
+        "(at least 10,000; raise it for a soak run)",
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,6 +69,7 @@ def isolated(stack_settings: Settings) -> Iterator[Settings]:
     )
     try:
         ensure_topics(settings)
+        db.migrate(settings.dsn)  # as `opledger stack up` does for the shared database
         yield settings
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:

@@ -15,10 +15,12 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     model_validator,
 )
 
 from ledger.domain.ids import EVENT_ID_RE, OPERATION_ID_RE, SHA256_REF_RE
+from ledger.domain.policy import WILDCARD, PolicyChange, credential_key, grant_key
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.redact import looks_secret
 from ledger.domain.states import DeliveryState, ExecutionState
@@ -26,10 +28,29 @@ from ledger.domain.states import DeliveryState, ExecutionState
 MAX_ERROR_LENGTH = 1000
 
 
-def _no_secret(value: str | None) -> str | None:
-    # Events are kept forever: a credential in an error text, provider reference or destination
-    # could never be taken back, so the contract refuses it.
-    if value is not None and looks_secret(value):
+#: The validation context a reader of the topics passes (``ledger.codec``): history is what it
+#: is, and the credential check is the writers' job. Refusing an old event on replay would not
+#: take a secret back; it would copy it to the dead letters.
+READING = {"reading": True}
+
+
+def _reading(info: ValidationInfo) -> bool:
+    context = info.context
+    return isinstance(context, dict) and bool(context.get("reading"))
+
+
+def _no_secret(value: str | None, info: ValidationInfo) -> str | None:
+    # Events are kept forever: a credential in an error text could never be taken back, so the
+    # contract refuses it when the event is written.
+    if value is not None and not _reading(info) and looks_secret(value):
+        raise ValueError("looks like it holds a credential; redact it before recording")
+    return value
+
+
+def _no_named_secret(value: str | None, info: ValidationInfo) -> str | None:
+    # Identifiers (a provider's call id, a destination) are random by nature, so only the shapes
+    # that name a credential (keys, tokens, URLs with a password...) are refused in them.
+    if value is not None and not _reading(info) and looks_secret(value, heuristic=False):
         raise ValueError("looks like it holds a credential; redact it before recording")
     return value
 
@@ -43,7 +64,7 @@ ToolName = Annotated[
 Destination = Annotated[
     str,
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$"),
-    AfterValidator(_no_secret),
+    AfterValidator(_no_named_secret),
 ]
 OperationId = Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
 EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_RE.pattern)]
@@ -51,7 +72,7 @@ ContentRef = Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
 ProviderRef = Annotated[
     str,
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$"),
-    AfterValidator(_no_secret),
+    AfterValidator(_no_named_secret),
 ]
 
 
@@ -212,3 +233,111 @@ Transition = ExecutionTransitioned | DeliveryTransitioned
 Control = OwnershipTaken | ReconciliationDecided
 #: Everything keyed by operation_id on the execution and delivery topics.
 OperationEvent = Transition | Control
+
+
+#: Most destinations or credential scopes one grant may list: a grant is read on every dispatch,
+#: and a list this long is a sign of a mistake, not of a policy.
+MAX_POLICY_LIST = 64
+
+Principal = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=128, pattern=r"^(?:\*|[A-Za-z0-9][A-Za-z0-9._:@/-]*)$"
+    ),
+]
+ToolOrWildcard = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128, pattern=r"^(?:\*|[A-Za-z][A-Za-z0-9._-]*)$"),
+]
+#: A credential's name in the tenant's secret store, never the secret itself.
+CredentialId = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$"),
+    AfterValidator(_no_named_secret),
+]
+Scope = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"),
+    AfterValidator(_no_named_secret),
+]
+
+
+def _distinct(values: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(values)) != len(values):
+        raise ValueError("lists each value more than once")
+    return values
+
+
+class PolicyChanged(BaseModel):
+    """A change of a tenant's policy, keyed on the compacted policy topic by its subject
+    (:meth:`subject_key`): a grant of ``tool_name`` to ``principal`` (GRANT), its revocation
+    (REVOKE), or the revocation of a credential (REVOKE_CREDENTIAL, principal and tool ``*``).
+
+    A record states the whole new state of its subject, never a difference from the previous
+    one: compaction keeps only the last record per key, and a replay of the compacted topic must
+    rebuild the same policy.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+    kind: Literal["policy"] = "policy"
+    event_id: EventId
+    tenant_id: Identifier
+    #: who changed the policy (a person or a process), not whom it is about
+    actor_id: Identifier
+    occurred_at: Timestamp
+    change: PolicyChange
+    principal: Principal
+    tool_name: ToolOrWildcard
+    destinations: Annotated[
+        tuple[Destination, ...], Field(max_length=MAX_POLICY_LIST), AfterValidator(_distinct)
+    ] = ()
+    repeat_safe: bool = False
+    expires_at: Timestamp | None = None
+    credential_id: CredentialId | None = None
+    credential_scopes: Annotated[
+        tuple[Scope, ...], Field(max_length=MAX_POLICY_LIST), AfterValidator(_distinct)
+    ] = ()
+    credential_expires_at: Timestamp | None = None
+    reason: ErrorText | None = None
+
+    @model_validator(mode="after")
+    def _change_needs(self) -> PolicyChanged:
+        grant_content = {
+            "destinations": bool(self.destinations),
+            "repeat_safe": self.repeat_safe,
+            "expires_at": self.expires_at is not None,
+            "credential_scopes": bool(self.credential_scopes),
+            "credential_expires_at": self.credential_expires_at is not None,
+        }
+        if self.change is PolicyChange.GRANT:
+            if self.credential_id is None:
+                for name in ("credential_scopes", "credential_expires_at"):
+                    if grant_content[name]:
+                        raise ValueError(f"{name} needs credential_id (the credential it is of)")
+            return self
+        # A revocation carries nothing of a grant: it would be ignored, and a reader could take
+        # it for part of the policy.
+        present = [name for name, given in grant_content.items() if given]
+        if present:
+            raise ValueError(f"{self.change} carries no grant content, got {', '.join(present)}")
+        if self.change is PolicyChange.REVOKE:
+            if self.credential_id is not None:
+                raise ValueError("REVOKE names no credential (REVOKE_CREDENTIAL revokes one)")
+            return self
+        if self.credential_id is None:
+            raise ValueError("REVOKE_CREDENTIAL needs credential_id")
+        if self.principal != WILDCARD or self.tool_name != WILDCARD:
+            raise ValueError("REVOKE_CREDENTIAL applies to every grant: principal and tool '*'")
+        return self
+
+    def subject_key(self) -> bytes:
+        """The record's key on the policy topic: the subject it decides."""
+        if self.change is PolicyChange.REVOKE_CREDENTIAL:
+            assert self.credential_id is not None  # the model validator guarantees it
+            return credential_key(self.tenant_id, self.credential_id)
+        return grant_key(self.tenant_id, self.principal, self.tool_name)
+
+
+#: Every record a topic of opledger carries: operation events, and policy changes.
+LedgerEvent = OperationEvent | PolicyChanged

@@ -54,6 +54,9 @@ class ExecutionRecord:
 
     operation_id: str
     tenant_id: str
+    #: the actor the operation is for (its intent's): policy is checked for this actor at
+    #: every dispatch and reconciliation, whoever (service, worker, person) wrote later steps;
+    #: each event's own actor is in the history.
     actor_id: str
     tool_name: str
     request_hash: str
@@ -250,7 +253,7 @@ def apply_execution(
         ExecutionRecord(
             operation_id=current.operation_id,
             tenant_id=current.tenant_id,
-            actor_id=event.actor_id,
+            actor_id=current.actor_id,
             tool_name=current.tool_name,
             request_hash=current.request_hash,
             state=event.state,
@@ -456,7 +459,7 @@ def apply_delivery(
             operation_id=current.operation_id,
             destination=current.destination,
             tenant_id=current.tenant_id,
-            actor_id=event.actor_id,
+            actor_id=current.actor_id,
             state=event.state,
             attempts=event.attempt,
             result_ref=event.result_ref or current.result_ref,

@@ -1,14 +1,16 @@
 """Policy: who may run which tool, to which destinations, with which credential, until when, and
 whether a call whose outcome is unknown may be repeated. Pure: the grants are folded from the
-policy topic elsewhere and handed in, with the time.
+policy topic elsewhere (``projections``) and handed in, with the time.
 
 Policy is checked when a call is dispatched and again when an UNKNOWN outcome is reconciled
 (the seed's rule 3): a request allowed at dispatch may be forbidden by the time it is
 investigated. A decision says what is *allowed*; it never rewrites what *happened*.
 
-Matching is most-specific-first, and the most specific grant decides, even when it is revoked:
+Matching is most-specific-first (an actor's own grant before the tenant's ``*`` actor grant,
+a named tool before ``*``), and the most specific grant decides, even when it is revoked:
 a revocation for ``(acme, agent-7, send_email)`` is not overridden by a broader grant for
-``(acme, *, send_email)``. No grant at all is a refusal (default deny).
+``(acme, *, send_email)``. No grant at all is a refusal (default deny). Grants and credential
+revocations of another tenant never count.
 """
 
 from __future__ import annotations
@@ -18,7 +20,39 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
+from ledger.domain.ids import canonical_json
+
 WILDCARD = "*"
+
+
+class PolicyChange(StrEnum):
+    """What a policy record does (mirrors ``schemas/policy_changed.avsc``)."""
+
+    #: sets the grant of (tenant, principal, tool), replacing whatever it was
+    GRANT = "GRANT"
+    #: marks the grant of (tenant, principal, tool) revoked (also when there was none: a revoked
+    #: specific grant is a refusal that no broader grant overrides)
+    REVOKE = "REVOKE"
+    #: the tenant's credential is revoked: every grant that names it refuses from now on
+    REVOKE_CREDENTIAL = "REVOKE_CREDENTIAL"
+
+
+# The policy topic is compacted: Kafka keeps the last record per key, so the key *is* the
+# subject a record decides, and the projected state of a subject must depend on its last record
+# only. Canonical JSON keeps the parts apart whatever they contain (tenant and actor ids may hold
+# "/", ":" and "@"), so two subjects can never share a key and erase each other.
+# These formats are durable contracts: records already on the topic carry them, and compaction
+# would keep a grant under its old key alive beside its replacement. Never change them.
+
+
+def grant_key(tenant_id: str, principal: str, tool_name: str) -> bytes:
+    """The policy-topic key of the grant (tenant, principal, tool). Never change this format."""
+    return canonical_json(["grant", tenant_id, principal, tool_name])
+
+
+def credential_key(tenant_id: str, credential_id: str) -> bytes:
+    """The policy-topic key of a tenant's credential revocation. Never change this format."""
+    return canonical_json(["credential", tenant_id, credential_id])
 
 
 class Purpose(StrEnum):
@@ -52,11 +86,23 @@ class Grant:
 
 
 @dataclass(frozen=True, slots=True)
+class CredentialRevocation:
+    """A tenant's credential, revoked. Credential ids are the tenant's own names: another
+    tenant's revocation of the same id says nothing about this one's."""
+
+    tenant_id: str
+    credential_id: str
+    #: event id of the REVOKE_CREDENTIAL record: the version a refusal because of it cites
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyRequest:
     tenant_id: str
     actor_id: str
     tool_name: str
     purpose: Purpose
+    #: timezone-aware; expiries are instants
     now: datetime
     destination: str | None = None
     #: the scope the tool's provider needs from the credential, if it declares one
@@ -64,12 +110,19 @@ class PolicyRequest:
     #: the operation was cancelled by a person (``opledger ops cancel``)
     cancelled: bool = False
 
+    def __post_init__(self) -> None:
+        # A naive time cannot be compared with an expiry: refuse it here, where the mistake is
+        # made, rather than fail inside evaluate only when some grant happens to expire.
+        if self.now.tzinfo is None or self.now.utcoffset() is None:
+            raise ValueError("PolicyRequest.now must be timezone-aware")
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyDecision:
     allowed: bool
     reason: str
-    #: the deciding grant's version (a policy event id); None when no grant matched
+    #: the deciding policy record's event id (the grant's, or the credential revocation's);
+    #: None when no grant matched
     version: str | None = None
     checks: tuple[str, ...] = field(default=())
 
@@ -92,7 +145,7 @@ def matching_grant(grants: Iterable[Grant], request: PolicyRequest) -> Grant | N
 def evaluate(
     grants: Iterable[Grant],
     request: PolicyRequest,
-    revoked_credentials: frozenset[str] = frozenset(),
+    revoked_credentials: Iterable[CredentialRevocation] = (),
 ) -> PolicyDecision:
     """Whether ``request`` is allowed now, and why (the reason names the failing check)."""
     checks: list[str] = []
@@ -112,8 +165,16 @@ def evaluate(
         return refuse(f"the grant expired at {grant.expires_at.isoformat()}", grant.version)
     checks.append("grant not expired")
     if grant.credential_id is not None:
-        if grant.credential_id in revoked_credentials:
-            return refuse(f"credential {grant.credential_id} was revoked", grant.version)
+        revocation = next(
+            (
+                r
+                for r in revoked_credentials
+                if r.tenant_id == grant.tenant_id and r.credential_id == grant.credential_id
+            ),
+            None,
+        )
+        if revocation is not None:
+            return refuse(f"credential {grant.credential_id} was revoked", revocation.version)
         if grant.credential_expires_at is not None and request.now >= grant.credential_expires_at:
             return refuse(f"credential {grant.credential_id} expired", grant.version)
         checks.append("credential valid")

@@ -87,8 +87,9 @@ def decide(
     if age > key_retention:
         return Verdict(
             Decision.PARK,
-            f"the provider has no record, but it keeps idempotency keys for {key_retention} and "
-            f"the call was dispatched {age} ago: not-found proves nothing, a person decides",
+            f"the provider has no record of the key, but the call was dispatched {age} ago, "
+            f"past its key retention of {key_retention}: not-found proves nothing once the key "
+            "may be forgotten; a person decides",
         )
     if not policy.allowed:
         return Verdict(Decision.REFUSE, f"no new attempt: {policy.reason}")

@@ -32,7 +32,8 @@ def register(commands: Any) -> None:
     run.add_argument(
         "--port",
         type=_port,
-        default=DEFAULT_PORT,
-        help=f"port to bind (default {DEFAULT_PORT}; 0 picks a free one and prints it)",
+        default=None,
+        help="port to bind (default: the port of OPLEDGER_FAKE_PROVIDER_URL, "
+        f"{DEFAULT_PORT} unless set; 0 picks a free one and prints it)",
     )
     run.set_defaults(handler="opledger.fakes.provider_server:run_command")

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import signal
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -270,5 +271,9 @@ def run_command(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    asyncio.run(serve(args.host, args.port))
+    port = args.port
+    if port is None:
+        # The URL every adapter of this installation uses (OPLEDGER_FAKE_PROVIDER_URL).
+        port = urllib.parse.urlsplit(settings.fake_provider_url).port or 80
+    asyncio.run(serve(args.host, port))
     return 0

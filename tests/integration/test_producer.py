@@ -22,6 +22,7 @@ from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.ids import content_ref, event_id, request_hash
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.kafka import partition_for
 from ledger.settings import Settings
 from producers import (
     MAX_RESULT_BYTES,
@@ -36,6 +37,7 @@ from producers import (
     TransitionRecorder,
 )
 from producers.operation import advance
+from tests.support import murmur2_partition
 
 TENANT = "tenant-a"
 ACTOR = "agent-7"
@@ -49,33 +51,6 @@ class Read:
     value: bytes
     headers: dict[str, bytes]
     event: Transition
-
-
-def murmur2_partition(key: bytes, partitions: int) -> int:
-    """Java's DefaultPartitioner for a keyed record: toPositive(murmur2(key)) % partitions."""
-    m, r, mask = 0x5BD1E995, 24, 0xFFFFFFFF
-    length = len(key)
-    h = (0x9747B28C ^ length) & mask
-    for i in range(0, length - length % 4, 4):
-        k = int.from_bytes(key[i : i + 4], "little")
-        k = (k * m) & mask
-        k ^= k >> r
-        k = (k * m) & mask
-        h = (h * m) & mask
-        h ^= k
-    tail = length % 4
-    base = length - tail
-    if tail == 3:
-        h ^= key[base + 2] << 16
-    if tail >= 2:
-        h ^= key[base + 1] << 8
-    if tail >= 1:
-        h ^= key[base]
-        h = (h * m) & mask
-    h ^= h >> 13
-    h = (h * m) & mask
-    h ^= h >> 15
-    return (h & 0x7FFFFFFF) % partitions
 
 
 def _consumer(settings: Settings) -> Consumer:
@@ -175,6 +150,7 @@ def test_recorded_history_reads_back_in_order_on_the_keyed_partition(
     deliveries = read_all(isolated, isolated.delivery_topic)
     key = op.operation_id.encode()
     expected_partition = murmur2_partition(key, isolated.partitions)
+    assert partition_for(key, isolated.partitions) == expected_partition
 
     assert [r.event.state for r in executions] == [
         ExecutionState.INTENT_RECORDED,

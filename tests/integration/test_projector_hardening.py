@@ -26,6 +26,7 @@ from tests.support import (
     assert_projection_matches,
     caught_up,
     independent_fold,
+    murmur2_partition,
     produce,
     project_in_process,
     read_all,
@@ -189,7 +190,7 @@ def test_a_delivery_read_before_its_execution_waits_for_it(isolated: Settings) -
         )
         report = sink.project("c", later)
         assert report.rewind == {}
-        assert report.anomalies == {"execution": 0, "delivery": 0}
+        assert report.anomalies == {"execution": 0, "delivery": 0, "control": 0}
         with psycopg.connect(isolated.dsn) as conn:
             states = conn.execute("SELECT DISTINCT state FROM deliveries").fetchall()
         assert states and all(s != (DeliveryState.PENDING.value,) for s in states)
@@ -242,3 +243,27 @@ def test_the_projector_rides_out_its_database_connection_being_killed(
         sink.close()
     assert stalls >= 1, "the killed connection was noticed (health went to stalled)"
     assert_projection_matches(isolated, independent_fold(isolated))
+
+
+def test_a_record_on_the_wrong_partition_is_dead_lettered(isolated: Settings) -> None:
+    """A producer with librdkafka's default partitioner (not murmur2) puts a correctly keyed
+    record on another partition than its operation's other records: refused, so that a replay
+    can never order it differently."""
+    intent, dispatched = [e for e in _events(1, seed=31)[0:2]]
+    key = intent.operation_id.encode()
+    home = murmur2_partition(key, isolated.partitions)
+    stray = (home + 1) % isolated.partitions
+    producer = Producer({"bootstrap.servers": isolated.bootstrap_servers})
+    codec = default_codec()
+    producer.produce(isolated.execution_topic, key=key, value=codec.encode(intent), partition=home)
+    producer.produce(
+        isolated.execution_topic, key=key, value=codec.encode(dispatched), partition=stray
+    )
+    assert producer.flush(10) == 0
+    project_in_process(isolated)
+    assert_projection_matches(isolated, independent_fold(isolated))
+    with psycopg.connect(isolated.dsn) as conn:
+        row = conn.execute("SELECT execution_state FROM agent_operations").fetchone()
+        (reason,) = conn.execute("SELECT reason FROM dead_letters").fetchone() or ("",)
+    assert row == ("INTENT_RECORDED",)
+    assert f"on partition {stray}" in reason

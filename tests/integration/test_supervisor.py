@@ -31,7 +31,14 @@ BROKEN_SUPERVISOR = (
 
 
 def _own_home(isolated: Settings, tmp_path: Path) -> Settings:
-    return isolated.with_(home=tmp_path / "home", projector_web_port=free_port())
+    """A home and ports of its own: the shared stack's workers use the default ones."""
+    return isolated.with_(
+        home=tmp_path / "home",
+        projector_web_port=free_port(),
+        recovery_web_port=free_port(),
+        recovery_group=f"{isolated.topic_prefix}-recovery",
+        fake_provider_url=f"http://127.0.0.1:{free_port()}",
+    )
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -176,7 +183,11 @@ def test_stack_starts_one_supervisor_and_sigterm_stops_every_worker(
         assert stack.start_supervisor(settings, lines.append, env=env) == pid, "idempotent"
         assert stack.wait_workers_ready(settings, lines.append, timeout=60)
         assert lines[0].startswith(f"supervisor: started (pid {pid}) running projector")
-        assert lines[1:] == [f"projector: serving {supervisor.projector_healthz(settings)}"]
+        assert lines[1:] == [
+            f"projector: serving {supervisor.projector_healthz(settings)}",
+            f"recovery: serving {supervisor.recovery_healthz(settings)}",
+            f"fake-provider: serving {supervisor.fake_provider_health(settings)}",
+        ]
         status = supervisor.status_lines(settings)
         assert status[0].startswith(f"supervisor running  pid {pid} ")
         assert re.match(r"projector running +pid \d+ +restarts 0 +up \d+s +last exit -", status[1])

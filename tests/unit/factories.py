@@ -156,7 +156,7 @@ event_ids = ulids.map(lambda u: f"ev_{u}")
 sha_refs = st.binary(max_size=64).map(content_ref)
 identifiers = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:@/-]{0,40}\Z")
 tool_names = st.from_regex(r"\A[A-Za-z][A-Za-z0-9._-]{0,40}\Z")
-# A random 32+ character run looks like a key and is refused (about 1 in 2,000 draws).
+# A random 32+ character run looks like a key and is refused (about 1 in 3,000 draws).
 destinations = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@-]{0,60}\Z").filter(not_secret)
 provider_refs = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._:/@=+-]{0,60}\Z").filter(not_secret)
 # Plain prose: never shaped like a credential, so the secret check is not what is exercised.

@@ -19,6 +19,7 @@ from factories import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from ledger.codec import (
     DELIVERY_RECORD,
@@ -134,7 +135,7 @@ def _datum(**changes: Any) -> dict[str, Any]:
         ({"request_hash": "md5:abc"}, "request_hash"),
         ({"tenant_id": ""}, "tenant_id"),
         ({"attempt": -1}, "attempt"),
-        ({"error": "password=hunter2"}, "error"),
+        ({"error": "boom\x00"}, "error"),
     ],
 )
 def test_well_formed_avro_with_invalid_content_names_the_field(
@@ -144,6 +145,16 @@ def test_well_formed_avro_with_invalid_content_names_the_field(
     with pytest.raises(DecodeError, match=field) as info:
         default_codec().decode(data)
     assert "invalid opledger.v1.ExecutionTransitioned" in str(info.value)
+
+
+def test_a_credential_already_on_a_topic_is_read_as_it_is_but_never_written() -> None:
+    """The writers refuse credentials (the contract's validator). A record that holds one
+    anyway is history: refusing it on read would not take it back, would copy it to the dead
+    letters, and would make a replay differ from the first reading whenever the detector grows."""
+    data = default_codec().encode_datum(EXECUTION_RECORD, _datum(error="password=hunter2"))
+    assert default_codec().decode(data).error == "password=hunter2"  # type: ignore[union-attr]
+    with pytest.raises(ValidationError, match="credential"):
+        execution(X.FAILED, 0, error="password=hunter2")
 
 
 def test_cross_field_rule_violation_is_a_decode_error() -> None:

@@ -272,3 +272,19 @@ def test_archive_directory_holds_only_schemas_the_current_reader_can_resolve() -
         for field in current[writer["name"]]["fields"]:
             if field["name"] in new_only:
                 assert "default" in field, f"{path.name}: {field['name']} added without default"
+
+
+def test_an_archived_writer_cannot_smuggle_a_negative_enum_index() -> None:
+    """fastavro (which reads archived writers) counts a negative enum index from the end of the
+    symbols: written as -1, FAILED would read as UNKNOWN. Such a body is refused."""
+    v1 = _schema(ARCHIVED_V1)
+    datum = {**_old_datum(ExecutionState.FAILED, 1), "error": "x", "provider_ref": None}
+    datum["result_ref"] = None
+    failed = _single_object(v1, datum)
+    other = _single_object(v1, {**datum, "state": ExecutionState.DISPATCHED.value})
+    (at,) = [i for i, (a, b) in enumerate(zip(failed, other, strict=True)) if a != b]
+    assert failed[at] == 3 << 1  # FAILED's index, zig-zag encoded
+    smuggled = failed[:at] + bytes([0x01]) + failed[at + 1 :]  # zig-zag -1
+    with pytest.raises(DecodeError, match="canonical"):
+        default_codec().decode(smuggled)
+    assert default_codec().decode(failed).state is ExecutionState.FAILED  # type: ignore[union-attr]

@@ -16,8 +16,10 @@ from ledger.domain.events import (
     DeliveryTransitioned,
     ExecutionTransitioned,
     OwnershipTaken,
+    PolicyChanged,
     ReconciliationDecided,
 )
+from ledger.domain.policy import PolicyChange
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import DeliveryState, ExecutionState
 
@@ -28,12 +30,14 @@ MODELS: dict[str, type[BaseModel]] = {
     "opledger.v1.DeliveryTransitioned": DeliveryTransitioned,
     "opledger.v1.OwnershipTaken": OwnershipTaken,
     "opledger.v1.ReconciliationDecided": ReconciliationDecided,
+    "opledger.v1.PolicyChanged": PolicyChanged,
 }
 ENUMS: dict[str, type[StrEnum]] = {
     "opledger.v1.ExecutionState": ExecutionState,
     "opledger.v1.DeliveryState": DeliveryState,
     "opledger.v1.Decision": Decision,
     "opledger.v1.LookupStatus": LookupStatus,
+    "opledger.v1.PolicyChange": PolicyChange,
 }
 # The discriminator is a Python-side convenience; the topic (and the fingerprint) say the kind.
 PYTHON_ONLY_FIELDS = {"kind"}
@@ -99,8 +103,11 @@ def test_enum_symbols_of_every_schema_version_are_known_to_python(path: Path) ->
         assert set(symbols) <= {m.value for m in ENUMS[name]}, (path.name, name)
 
 
-def _python_type(annotation: Any) -> tuple[set[type], bool]:
-    """(non-None types, nullable) of a pydantic field annotation."""
+def _python_type(annotation: Any) -> tuple[set[Any], bool]:
+    """(non-None types, nullable) of a pydantic field annotation; a sequence is ("array", item)."""
+    if get_origin(annotation) in (tuple, list):
+        item = get_args(annotation)[0]
+        return {("array", _bare(item))}, False
     if get_origin(annotation) in (Union, UnionType):
         args = {_bare(a) for a in get_args(annotation)}
         return {a for a in args if a is not NoneType}, NoneType in args
@@ -112,8 +119,8 @@ def _bare(annotation: Any) -> Any:
     return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
 
 
-def _avro_type(avro: Any) -> tuple[str, bool]:
-    """(base Avro type or logical type, nullable) of a field type."""
+def _avro_type(avro: Any) -> tuple[Any, bool]:
+    """(base Avro type or logical type, nullable) of a field type; an array is ("array", item)."""
     nullable = False
     if isinstance(avro, list):
         nullable = "null" in avro
@@ -121,6 +128,8 @@ def _avro_type(avro: Any) -> tuple[str, bool]:
         assert len(rest) == 1, f"only [null, T] unions are used: {avro}"
         avro = rest[0]
     if isinstance(avro, dict):
+        if avro["type"] == "array":
+            return ("array", _avro_type(avro["items"])[0]), nullable
         return avro.get("logicalType", avro["type"]), nullable
     return avro, nullable
 
@@ -152,12 +161,16 @@ def test_avro_fields_and_pydantic_fields_correspond(record: str) -> None:
         assert py_nullable == avro_nullable, f"{record}.{name}: nullability differs"
         if avro_base == "enum":
             assert py_types == {ENUMS[_enum_nodes(field["type"], "opledger.v1")[0][0]]}
+        elif isinstance(avro_base, tuple):
+            # Arrays (of plain types) are immutable tuples on the Python side.
+            assert py_types == {("array", AVRO_TO_PYTHON[avro_base[1]])}, f"{record}.{name}: array"
         else:
             assert py_types == {AVRO_TO_PYTHON[avro_base]}, f"{record}.{name}: type differs"
         # A field with a default in Avro has the same default in pydantic, and vice versa.
         assert ("default" in field) == (not info.is_required()), f"{record}.{name}: default"
         if "default" in field:
-            assert info.default == field["default"], f"{record}.{name}: default value"
+            default = list(info.default) if isinstance(info.default, tuple) else info.default
+            assert default == field["default"], f"{record}.{name}: default value"
 
 
 @pytest.mark.parametrize("path", _all_schema_files(), ids=lambda p: p.name)

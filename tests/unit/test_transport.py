@@ -38,7 +38,11 @@ class StandInProducer:
     def poll(self, timeout: float) -> int:
         with self.lock:
             queued, self.queued = self.queued, []
-        msg = type("Msg", (), {"topic": lambda self: "t"})()
+        msg = type(
+            "Msg",
+            (),
+            {"topic": lambda self: "t", "partition": lambda self: 0, "offset": lambda self: 0},
+        )()
         for callback in queued:
             callback(self.fail, msg)
         if not queued:

@@ -1,0 +1,267 @@
+"""Policy as the workers read it: the projector's policy tables (``policy_grants``,
+``revoked_credentials``, folded from the compacted policy topic), evaluated by the pure
+:func:`ledger.domain.policy.evaluate`.
+
+Decisions are only as fresh as the projection: a change counts once the projector has folded
+it (``opledger policy grant|revoke`` waits for that by default). The optional cache adds up to
+its TTL on top of that, on the dispatch path only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ledger.domain.events import PolicyChanged
+from ledger.domain.policy import (
+    CredentialRevocation,
+    Grant,
+    PolicyChange,
+    PolicyDecision,
+    PolicyRequest,
+    Purpose,
+    evaluate,
+)
+from ledger.pg import retrying
+
+#: The refusal when the policy tables do not exist: the projector has never run against this
+#: database, so no grant can exist either (default deny), and the caller is told why.
+NO_PROJECTION = (
+    "no policy projection in this database yet (the projector creates it: "
+    "`opledger projector run` or `opledger stack up`)"
+)
+
+_GRANT_COLUMNS = (
+    "g.tenant_id, g.principal, g.tool_name, g.revoked, g.version, g.destinations, "
+    "g.repeat_safe, g.expires_at, g.credential_id, g.credential_scopes, g.credential_expires_at"
+)
+
+# The matching grants (at most four: actor or '*', tool or '*') and, beside each, the revocation
+# of the credential it names, if any: everything evaluate() needs, in one statement. A tenant's
+# revocations of credentials no matching grant names cannot change the decision and stay unread.
+_MATCHING = f"""
+SELECT {_GRANT_COLUMNS}, r.version
+  FROM policy_grants g
+  LEFT JOIN revoked_credentials r
+    ON r.tenant_id = g.tenant_id AND r.credential_id = g.credential_id
+ WHERE g.tenant_id = %s AND g.principal IN (%s, '*') AND g.tool_name IN (%s, '*')
+"""
+
+_CURRENT = f"""
+SELECT {_GRANT_COLUMNS}, g.updated_at, g.changed_by, g.reason, r.version
+  FROM policy_grants g
+  LEFT JOIN revoked_credentials r
+    ON r.tenant_id = g.tenant_id AND r.credential_id = g.credential_id
+ WHERE g.tenant_id = %(tenant)s
+   AND (%(actor)s::text IS NULL OR g.principal IN (%(actor)s, '*'))
+   AND (%(tool)s::text IS NULL OR g.tool_name IN (%(tool)s, '*'))
+ ORDER BY g.principal, g.tool_name
+"""
+
+_REVOKED = """
+SELECT tenant_id, credential_id, version, revoked_at, revoked_by, reason
+  FROM revoked_credentials WHERE tenant_id = %s ORDER BY credential_id
+"""
+
+
+def _grant(row: Sequence[Any]) -> Grant:
+    return Grant(
+        tenant_id=row[0],
+        principal=row[1],
+        tool_name=row[2],
+        revoked=row[3],
+        version=row[4],
+        destinations=frozenset(row[5]),
+        repeat_safe=row[6],
+        expires_at=row[7],
+        credential_id=row[8],
+        credential_scopes=frozenset(row[9]),
+        credential_expires_at=row[10],
+    )
+
+
+#: What evaluate() reads for one (tenant, actor, tool); None: the tables do not exist.
+MatchingRows = tuple[list[Grant], list[CredentialRevocation]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class GrantRow:
+    """A grant as ``opledger policy show`` lists it."""
+
+    grant: Grant
+    updated_at: datetime
+    changed_by: str
+    reason: str | None
+    #: the version of the revocation of the grant's credential, if it is revoked
+    credential_revoked_by: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedCredentialRow:
+    revocation: CredentialRevocation
+    revoked_at: datetime
+    revoked_by: str
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentPolicy:
+    """One tenant's current policy, as projected."""
+
+    grants: list[GrantRow]
+    revoked_credentials: list[RevokedCredentialRow]
+
+
+@dataclass(frozen=True, slots=True)
+class FoldState:
+    """How far the projector has got with one policy change."""
+
+    #: the change is in policy_history: the projector folded it
+    folded: bool
+    #: the version its subject has now (the change's own event id, or a later change's)
+    current_version: str | None
+
+
+def read_matching(
+    conn: psycopg.Connection[Any], tenant_id: str, actor_id: str, tool_name: str
+) -> MatchingRows:
+    """The grants that can match (tenant, actor, tool) and the revocations of the credentials
+    they name, in one round trip; None when the policy tables do not exist."""
+    try:
+        rows = conn.execute(_MATCHING, (tenant_id, actor_id, tool_name)).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return None
+    grants = [_grant(row) for row in rows]
+    revoked = [CredentialRevocation(row[0], row[8], row[11]) for row in rows if row[11] is not None]
+    return grants, revoked
+
+
+def read_current(
+    conn: psycopg.Connection[Any],
+    tenant_id: str,
+    *,
+    actor_id: str | None = None,
+    tool_name: str | None = None,
+) -> CurrentPolicy | None:
+    """The tenant's grants (those that apply to ``actor_id`` / ``tool_name`` when given: their
+    own and the ``*`` ones) and revoked credentials; None when the policy tables do not exist."""
+    try:
+        grants = conn.execute(
+            _CURRENT, {"tenant": tenant_id, "actor": actor_id, "tool": tool_name}
+        ).fetchall()
+        revoked = conn.execute(_REVOKED, (tenant_id,)).fetchall()
+    except psycopg.errors.UndefinedTable:
+        return None
+    return CurrentPolicy(
+        grants=[GrantRow(_grant(r), r[11], r[12], r[13], r[14]) for r in grants],
+        revoked_credentials=[
+            RevokedCredentialRow(CredentialRevocation(r[0], r[1], r[2]), r[3], r[4], r[5])
+            for r in revoked
+        ],
+    )
+
+
+def read_fold_state(conn: psycopg.Connection[Any], change: PolicyChanged) -> FoldState:
+    """Whether the projector has folded ``change``, and the version its subject has now."""
+    if change.change is PolicyChange.REVOKE_CREDENTIAL:
+        current = (
+            "SELECT version FROM revoked_credentials WHERE tenant_id = %s AND credential_id = %s"
+        )
+        subject: tuple[Any, ...] = (change.tenant_id, change.credential_id)
+    else:
+        current = (
+            "SELECT version FROM policy_grants "
+            "WHERE tenant_id = %s AND principal = %s AND tool_name = %s"
+        )
+        subject = (change.tenant_id, change.principal, change.tool_name)
+    try:
+        row = conn.execute(
+            f"SELECT EXISTS (SELECT 1 FROM policy_history WHERE event_id = %s), ({current})",
+            (change.event_id, *subject),
+        ).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return FoldState(False, None)
+    assert row is not None  # a SELECT without FROM returns one row
+    return FoldState(bool(row[0]), row[1])
+
+
+class PolicyStore:
+    """Evaluates policy requests against the projected policy, over a psycopg pool.
+
+    ``cache_ttl_s`` > 0 caches, per (tenant, actor, tool), the rows read for DISPATCH requests
+    only, for that many seconds (at most ``cache_size`` subjects). A revocation then stops new
+    dispatches up to ``cache_ttl_s`` after the projector folded it, on top of the projector's
+    lag. NEW_ATTEMPT and DELIVER requests (reconciliation, delivery) always read the table:
+    the seed's rule 3 asks for *current* policy there. The decision itself is computed on each
+    call (the time, the purpose, the destination and the scope are the request's); only the
+    rows are cached. Off by default.
+    """
+
+    def __init__(
+        self,
+        pool: ConnectionPool[Any],
+        *,
+        cache_ttl_s: float = 0.0,
+        cache_size: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cache_ttl_s < 0 or cache_size < 1:
+            raise ValueError("cache_ttl_s must be >= 0 and cache_size >= 1")
+        self._pool = pool
+        self._ttl_s = cache_ttl_s
+        self._size = cache_size
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, str, str], tuple[float, MatchingRows]] = {}
+
+    def evaluate(self, request: PolicyRequest) -> PolicyDecision:
+        """The decision for ``request`` now. "No grant" is a refusal with a reason, never an
+        exception; raises only when PostgreSQL cannot be reached (``ledger.pg.retrying``)."""
+        subject = (request.tenant_id, request.actor_id, request.tool_name)
+        use_cache = self._ttl_s > 0 and request.purpose is Purpose.DISPATCH
+        hit = self._cached(subject) if use_cache else None
+        if hit is not None:
+            (rows,) = hit
+        else:
+            rows = retrying(
+                self._pool, "read the policy", lambda conn: read_matching(conn, *subject)
+            )
+            if use_cache:
+                self._remember(subject, rows)
+        if rows is None:
+            return PolicyDecision(False, NO_PROJECTION, None)
+        grants, revoked = rows
+        return evaluate(grants, request, revoked)
+
+    def current(
+        self, tenant_id: str, *, actor_id: str | None = None, tool_name: str | None = None
+    ) -> CurrentPolicy | None:
+        """The tenant's current grants and revoked credentials (see :func:`read_current`)."""
+        return retrying(
+            self._pool,
+            "read the policy",
+            lambda conn: read_current(conn, tenant_id, actor_id=actor_id, tool_name=tool_name),
+        )
+
+    def _cached(self, subject: tuple[str, str, str]) -> tuple[MatchingRows] | None:
+        """``(rows,)`` while a fresh entry exists, else None (rows themselves may be None)."""
+        with self._lock:
+            entry = self._cache.get(subject)
+            if entry is None or entry[0] <= self._clock():
+                return None
+            return (entry[1],)
+
+    def _remember(self, subject: tuple[str, str, str], rows: MatchingRows) -> None:
+        with self._lock:
+            self._cache.pop(subject, None)
+            while len(self._cache) >= self._size:
+                # Insertion order is expiry order (one TTL for all): drop the oldest.
+                del self._cache[next(iter(self._cache))]
+            self._cache[subject] = (self._clock() + self._ttl_s, rows)

@@ -1,0 +1,121 @@
+"""Wiring of the recovery worker: ``opledger recover run``.
+
+Any number of these may run: they form one consumer group on the execution topic, and each looks
+after the operations of the partitions it was assigned (adding a process adds throughput; killing
+one hands its partitions to the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from ledger import faults
+from ledger.settings import Settings
+
+if TYPE_CHECKING:
+    from ledger.tools import Provider
+    from processors.recovery.worker import RecoveryWorker
+
+
+def load_providers(settings: Settings, default: str = "") -> list[Provider]:
+    """The providers ``OPLEDGER_PROVIDERS`` (else ``default``) names: "module:function", called
+    with the settings."""
+    entry = settings.providers or default
+    if not entry:
+        return []
+    module, _, name = entry.partition(":")
+    factory = getattr(importlib.import_module(module), name)
+    providers: list[Provider] = list(factory(settings))
+    return providers
+
+
+def build(settings: Settings, default_providers: str = "") -> tuple[Any, RecoveryWorker, list[Any]]:
+    """The faust app, the worker, and what to close afterwards; wired, not started."""
+    # Imported here: other subcommands must not pay for faust, psycopg_pool and the rest.
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.leases import LeaseStore, process_identity  # noqa: PLC0415
+    from ledger.metrics import Metrics  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.policy_store import PolicyStore  # noqa: PLC0415
+    from ledger.results import ResultStore  # noqa: PLC0415
+    from ledger.transport import KafkaTransport  # noqa: PLC0415
+    from processors.app import create_app  # noqa: PLC0415
+    from processors.recovery.worker import RecoveryWorker  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    pool = open_pool(settings.dsn, name="opledger-recovery", max_size=40)
+    transport = KafkaTransport(settings)
+    history = HistoryReader(settings, pool, client_id="opledger-recovery-history")
+    worker = RecoveryWorker(
+        settings,
+        pool=pool,
+        transport=transport,
+        leases=LeaseStore(pool, process_identity("recover")),
+        history=history,
+        results=ResultStore(pool),
+        # Reconciliation re-checks policy as it is now: no cache (seed rule 3).
+        policy=PolicyStore(pool).evaluate,
+        providers=load_providers(settings, default_providers),
+        metrics=Metrics.create(registry),
+    )
+    app = create_app(
+        settings,
+        worker,
+        registry,
+        name="recovery",
+        web_port=settings.recovery_web_port,
+        # Several workers run at once; each is its own member of faust's group.
+        instance_id=f"{socket.gethostname()}-{os.getpid()}",
+    )
+    return app, worker, [history, transport, pool]
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger recover run``: recover operations until SIGTERM/SIGINT."""
+    import faust  # noqa: PLC0415
+
+    from ledger.secrets import RedactingFilter  # noqa: PLC0415
+    from ledger.topics import ensure_topics  # noqa: PLC0415
+    from opledger import db  # noqa: PLC0415
+
+    faults.arm(settings.fault_points)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    ensure_topics(settings)
+    db.migrate(settings.dsn)
+    app, _worker, owned = build(settings, args.default_providers or "")
+    try:
+        worker = faust.Worker(app, loglevel=settings.log_level.lower(), quiet=True)
+        worker.execute_from_commandline()
+    finally:
+        for item in owned:
+            item.close()
+    return 0
+
+
+def register(commands: Any) -> None:
+    """``opledger recover run``."""
+    parser = commands.add_parser(
+        "recover", help="the recovery worker: resume, detect UNKNOWN, reconcile with policy"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run_parser = actions.add_parser(
+        "run", help="look after operations whose owner went away, until stopped (SIGTERM/SIGINT)"
+    )
+    run_parser.add_argument(
+        "--default-providers",
+        metavar="MODULE:FUNCTION",
+        help="providers to use when OPLEDGER_PROVIDERS is not set (the local stack passes the "
+        "fake provider's adapters)",
+    )
+    run_parser.set_defaults(handler="opledger.recover:run")

@@ -1,0 +1,1 @@
+"""The recovery worker (``opledger recover run``)."""

@@ -1,0 +1,385 @@
+"""The everyday form: one call that runs a tool call as the ledger expects, and the ownership
+calls that let a process load an operation and carry it on under a new lease.
+
+    with TransitionRecorder.connect(settings, providers=[email]) as recorder:
+        done = recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
+
+``execute`` records the intent (taking the lease and storing the request first), checks policy,
+records the dispatch, checks the lease is still this process's, calls the provider with the
+operation id as idempotency key, stores the result and records the outcome. Lost contact (a
+timeout, a reset) becomes UNKNOWN - an answer, not an exception the caller might retry - and the
+lease is released so the recovery worker reconciles it at once. An append whose acknowledgement
+is lost is resent (the identical event) a few times before the error is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ledger.domain import ids
+from ledger.domain.events import ExecutionTransitioned, OwnershipTaken, ReconciliationDecided
+from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
+from ledger.domain.reconcile import Decision, LookupStatus
+from ledger.domain.states import ExecutionState
+from ledger.errors import (
+    DeliveryError,
+    IllegalTransitionError,
+    InvalidTransitionError,
+    LeaseLostError,
+    RecordError,
+    UnknownToolError,
+)
+from ledger.faults import fault_point
+from ledger.tools import ContactLost, Provider
+from producers.operation import OperationState, TrackedOperation
+
+if TYPE_CHECKING:
+    from producers.recorder import TransitionRecorder  # the functions here are its methods
+
+log = logging.getLogger("opledger.execute")
+T = TypeVar("T")
+
+#: Added to a tool's call timeout for the lease of an ``execute``: recording the outcome after
+#: the call must fit in the lease too.
+LEASE_MARGIN = timedelta(seconds=5)
+#: How many times an append whose acknowledgement was lost is resent before giving up.
+RESENDS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Execution:
+    """What ``execute`` (or ``resume``) did."""
+
+    operation_id: str
+    tenant_id: str
+    state: ExecutionState
+    attempt: int
+    handle: TrackedOperation
+    #: the provider's result (SUCCEEDED), stored under ``result_ref``
+    result: bytes | None = None
+    result_ref: str | None = None
+    #: why it FAILED, went UNKNOWN or was refused
+    error: str | None = None
+    #: policy refused the dispatch (the intent is recorded FAILED at attempt 0, no call made)
+    refused: bool = False
+    #: the policy decision at dispatch, with its version (the grant's event id)
+    policy: PolicyDecision | None = None
+
+
+def resending(recorder: TransitionRecorder, step: Callable[[], T], handle: TrackedOperation) -> T:
+    """Take one recording step; if its acknowledgement is lost, resend the identical event a few
+    times (a repeat that did land is a recognised duplicate)."""
+    try:
+        return step()
+    except DeliveryError as exc:
+        failure = exc
+    for attempt in range(RESENDS):
+        log.info("acknowledgement lost (%s); resending the same event, try %d", failure, attempt)
+        time.sleep(0.2 * (attempt + 1))
+        try:
+            recorder.resend(handle)
+        except DeliveryError as exc:
+            failure = exc
+            continue
+        return True  # type: ignore[return-value]  # every step but intent returns True when done
+    raise failure
+
+
+def execute(
+    recorder: TransitionRecorder,
+    tenant_id: str,
+    actor_id: str,
+    tool_name: str,
+    arguments: Any,
+    *,
+    operation_id: str | None = None,
+) -> Execution:
+    """Run one tool call through the ledger; see the module docstring."""
+    provider = _provider(recorder, tool_name)
+    ttl = provider.terms.call_timeout + LEASE_MARGIN
+    op_id = operation_id or recorder.new_operation_id()
+    try:
+        handle = recorder.intent(tenant_id, actor_id, tool_name, arguments, op_id, lease_ttl=ttl)
+    except DeliveryError as exc:
+        handle = exc.handle
+        resending(recorder, lambda: recorder.resend(handle), handle)
+    fault_point("execute.after_intent_before_dispatch")
+    return _dispatch_and_call(recorder, handle, provider, arguments)
+
+
+def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
+    """Carry on an operation taken over at INTENT_RECORDED: its owner went away before
+    dispatching, so no provider call happened; dispatch it once, with the stored request.
+
+    Any other state is not the SDK's to move: DISPATCHED and UNKNOWN are reconciled by the
+    recovery worker (looking the key up), never re-dispatched here.
+    """
+    execution = handle.require_execution()
+    if execution.state is not ExecutionState.INTENT_RECORDED:
+        raise IllegalTransitionError(
+            f"{handle.operation_id} is {execution.state}: only an intent is resumed here; "
+            "a dispatched or UNKNOWN operation is reconciled by the recovery worker"
+        )
+    if handle.lease is None or recorder._leases is None:
+        raise LeaseLostError(
+            f"{handle.operation_id}: take the operation over (take_over) before resuming it"
+        )
+    provider = _provider(recorder, execution.tool_name)
+    stored = recorder._leases.requests([(handle.operation_id, execution.tenant_id)])
+    body = stored.get(handle.operation_id)
+    if body is None:
+        raise RecordError(
+            f"{handle.operation_id}: its request was never stored (recorded without a lease "
+            "store), so it cannot be dispatched again here"
+        )
+    return _dispatch_and_call(recorder, handle, provider, json.loads(body))
+
+
+def load(recorder: TransitionRecorder, operation_id: str, tenant_id: str) -> TrackedOperation:
+    """The operation as the log says it is now (projection + unprojected tail), read-only:
+    the handle holds no lease. Another tenant's operation reads as unknown."""
+    snapshot = _require_history(recorder).load([(operation_id, tenant_id)])[operation_id]
+    if snapshot.execution is None:
+        raise IllegalTransitionError(f"no operation {operation_id} for tenant {tenant_id}")
+    return TrackedOperation(
+        OperationState(operation_id, snapshot.execution, dict(snapshot.deliveries))
+    )
+
+
+def take_over(
+    recorder: TransitionRecorder,
+    operation_id: str,
+    tenant_id: str,
+    *,
+    reason: str,
+    ttl: timedelta | None = None,
+    force: bool = False,
+) -> TrackedOperation:
+    """Take ``operation_id`` over under a new lease and return it as it is now.
+
+    The lease must have expired (``force`` takes it anyway: a cancel). The new token is
+    recorded first (OwnershipTaken); the history is then read up to that record, so nothing
+    the previous owner still appends after it counts: it is fenced.
+    """
+    leases, history = _require_leases(recorder), _require_history(recorder)
+    before = history.load([(operation_id, tenant_id)])[operation_id].execution
+    if before is None:
+        raise IllegalTransitionError(f"no operation {operation_id} for tenant {tenant_id}")
+    if before.state in (ExecutionState.SUCCEEDED, ExecutionState.FAILED):
+        raise IllegalTransitionError(
+            f"{operation_id} already finished ({before.state}); there is nothing to take over"
+        )
+    taken = leases.take_over(
+        [(operation_id, tenant_id)], recorder._lease_ttl if ttl is None else ttl, force=force
+    )
+    lease = taken.get(operation_id)
+    if lease is None:
+        raise LeaseLostError(
+            f"{operation_id} is held by another process whose lease has not expired"
+        )
+    now = datetime.now(UTC)
+    claim = OwnershipTaken(
+        event_id=ids.event_id(recorder._clock_ns() // 1_000_000, recorder._entropy(10)),
+        operation_id=operation_id,
+        tenant_id=tenant_id,
+        actor_id=leases.owner.split("/")[0][:128],
+        occurred_at=now,
+        attempt=before.attempt,
+        lease_token=lease.token,
+        reason=reason,
+    )
+    positions = recorder._transport.send([recorder._outgoing(claim)])
+    upto = {(t, p): o + 1 for t, p, o in positions or ()}
+    snapshot = history.load([(operation_id, tenant_id)], upto=upto or None)[operation_id]
+    execution = snapshot.execution
+    if execution is None or execution.lease_token != lease.token:
+        raise LeaseLostError(
+            f"{operation_id}: another process claimed it with a higher token meanwhile"
+        )
+    return TrackedOperation(
+        OperationState(operation_id, execution, dict(snapshot.deliveries)), lease
+    )
+
+
+# -- internals -------------------------------------------------------------------------------
+
+
+def _provider(recorder: TransitionRecorder, tool_name: str) -> Provider:
+    provider = recorder._providers.get(tool_name)
+    if provider is None:
+        known = ", ".join(sorted(recorder._providers)) or "none"
+        raise UnknownToolError(
+            f"no provider registered for tool {tool_name!r} (registered: {known}); "
+            "pass it to connect(providers=...). Nothing was recorded"
+        )
+    return provider
+
+
+def _dispatch_and_call(
+    recorder: TransitionRecorder,
+    handle: TrackedOperation,
+    provider: Provider,
+    arguments: Any,
+) -> Execution:
+    execution = handle.require_execution()
+    decision = _check_policy(recorder, execution.tenant_id, execution.actor_id, provider)
+    if not decision.allowed:
+        reason = f"refused by policy {decision.version or '(no grant)'}: {decision.reason}"
+        resending(recorder, lambda: recorder.failed(handle, reason), handle)
+        return _report(handle, error=reason, refused=True, policy=decision)
+    key = ids.idempotency_key(handle.operation_id)
+    resending(recorder, lambda: recorder.dispatched(handle, provider_ref=key), handle)
+    # The last moment to find out that someone else owns the operation now: past this
+    # point the provider is called.
+    leases = recorder._leases
+    if handle.lease is not None and leases is not None and not leases.holds(handle.lease):
+        raise LeaseLostError(
+            f"{handle.operation_id}: the lease was taken over before the call; "
+            "the provider was not called"
+        )
+    fault_point("execute.after_dispatch_before_call")
+    try:
+        outcome = provider.call(arguments, key)
+    except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
+        # Never retried here: only reconciliation (a lookup by this key) may decide.
+        lost: str | BaseException = (
+            f"contact lost after dispatch: {exc}" if isinstance(exc, ContactLost) else exc
+        )
+        resending(recorder, lambda: recorder.unknown(handle, lost), handle)
+        if handle.lease is not None and recorder._leases is not None:
+            # Let the recovery worker reconcile it now rather than when the lease runs out.
+            recorder._leases.release([handle.lease])
+        return _report(handle, error=str(lost), policy=decision)
+    fault_point("execute.after_response_before_result")
+    if not outcome.succeeded:
+        error = outcome.error or "the provider reported a failure"
+        resending(recorder, lambda: recorder.failed(handle, error), handle)
+        return _report(handle, error=error, policy=decision)
+    result = outcome.result if outcome.result is not None else b""
+    resending(
+        recorder,
+        lambda: recorder.succeeded(
+            handle,
+            result,
+            content_type=outcome.content_type,
+            provider_ref=outcome.provider_ref,
+        ),
+        handle,
+    )
+    return _report(handle, result=result, policy=decision)
+
+
+def _check_policy(
+    recorder: TransitionRecorder, tenant_id: str, actor_id: str, provider: Provider
+) -> PolicyDecision:
+    if recorder._policy is None:
+        # No policy store was configured (a recorder built by hand, in tests): say so in
+        # the record rather than pretend a check happened.
+        return PolicyDecision(True, "no policy store configured", None)
+    return recorder._policy(
+        PolicyRequest(
+            tenant_id=tenant_id,
+            actor_id=actor_id,
+            tool_name=provider.tool_name,
+            purpose=Purpose.DISPATCH,
+            now=datetime.now(UTC),
+            required_scope=provider.terms.required_scope,
+        )
+    )
+
+
+def _report(
+    handle: TrackedOperation,
+    *,
+    result: bytes | None = None,
+    error: str | None = None,
+    refused: bool = False,
+    policy: PolicyDecision | None = None,
+) -> Execution:
+    execution = handle.require_execution()
+    return Execution(
+        operation_id=handle.operation_id,
+        tenant_id=execution.tenant_id,
+        state=execution.state,
+        attempt=execution.attempt,
+        handle=handle,
+        result=result,
+        result_ref=execution.result_ref,
+        error=error,
+        refused=refused,
+        policy=policy,
+    )
+
+
+def _require_leases(recorder: TransitionRecorder) -> Any:
+    if recorder._leases is None:
+        raise LeaseLostError("this recorder has no lease store (connect() gives it one)")
+    return recorder._leases
+
+
+def _require_history(recorder: TransitionRecorder) -> Any:
+    if recorder._history is None:
+        raise RecordError("this recorder cannot read history (connect() gives it a reader)")
+    return recorder._history
+
+
+def cancel(
+    recorder: TransitionRecorder, operation_id: str, tenant_id: str, actor_id: str, reason: str
+) -> TrackedOperation:
+    """Cancel an operation on behalf of ``actor_id`` (a person or a service of the tenant).
+
+    Before dispatch the cancel is final: the intent is recorded FAILED at attempt 0 and no call
+    is ever made. After dispatch the call may have happened, so the operation is reconciled as
+    usual (the provider is asked what became of it) but never attempted again. The operation is
+    taken over by force first, so its current owner can append nothing after the cancel.
+    """
+    if not reason.strip():
+        raise InvalidTransitionError("a cancel needs a reason; nothing was recorded")
+    handle = take_over(
+        recorder, operation_id, tenant_id, reason=f"cancel by {actor_id}", force=True
+    )
+    execution = handle.require_execution()
+    if execution.state in (ExecutionState.SUCCEEDED, ExecutionState.FAILED):
+        raise IllegalTransitionError(
+            f"{operation_id} already finished ({execution.state}); there is nothing to cancel"
+        )
+    assert handle.lease is not None
+    decided = ReconciliationDecided(
+        event_id=ids.event_id(recorder._clock_ns() // 1_000_000, recorder._entropy(10)),
+        operation_id=operation_id,
+        tenant_id=tenant_id,
+        actor_id=actor_id,
+        occurred_at=datetime.now(UTC),
+        attempt=execution.attempt,
+        lease_token=handle.lease.token,
+        decision=Decision.CANCEL,
+        lookup=LookupStatus.NOT_LOOKED_UP,
+        reason=reason,
+    )
+    events: list[Any] = [decided]
+    if execution.state is ExecutionState.INTENT_RECORDED:
+        events.append(
+            recorder._build(
+                ExecutionTransitioned,
+                operation_id=operation_id,
+                tenant_id=tenant_id,
+                actor_id=actor_id,
+                attempt=0,
+                state=ExecutionState.FAILED,
+                tool_name=execution.tool_name,
+                request_hash=execution.request_hash,
+                error=f"cancelled before dispatch by {actor_id}: {reason}",
+                lease_token=handle.lease.token,
+                decision_id=decided.event_id,
+            )
+        )
+    recorder.append(events, known=[handle])
+    if recorder._leases is not None:
+        recorder._leases.release([handle.lease])
+    return handle

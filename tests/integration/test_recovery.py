@@ -1,0 +1,303 @@
+"""The recovery worker's rules against the real broker and database, one pass at a time (the
+worker is driven in-process here; the chaos tier runs it as a process and SIGKILLs services)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ledger.codec import default_codec
+from ledger.domain.events import ExecutionTransitioned, OwnershipTaken, ReconciliationDecided
+from ledger.domain.ids import event_id
+from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
+from ledger.domain.reconcile import Decision, LookupStatus
+from ledger.domain.states import ExecutionState
+from ledger.history import HistoryReader
+from ledger.leases import LeaseStore
+from ledger.metrics import Metrics
+from ledger.pg import open_pool
+from ledger.results import ResultStore
+from ledger.settings import Settings
+from ledger.tools import ProviderTerms
+from ledger.transport import KafkaTransport
+from opledger.fakes.memory import MemoryProvider
+from opledger.fakes.model import Action, Mode
+from processors.recovery.worker import RecoveryWorker
+from producers import TrackedOperation, TransitionRecorder
+from tests.support import project_in_process, read_all
+
+X = ExecutionState
+TOOL = "send_email"
+GRANT = event_id(1_700_000_000_000, b"the-grant!")
+REVOCATION = event_id(1_700_000_000_001, b"revocation")
+
+
+class Policy:
+    """A switchable policy: allows (with repeats) until revoked; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.revoked = False
+        self.asked: list[PolicyRequest] = []
+
+    def __call__(self, request: PolicyRequest) -> PolicyDecision:
+        self.asked.append(request)
+        if request.cancelled:
+            return PolicyDecision(False, "the operation was cancelled", None)
+        if self.revoked:
+            return PolicyDecision(False, "the grant was revoked", REVOCATION)
+        return PolicyDecision(True, "allowed by the test grant", GRANT)
+
+
+def _terms(**changes: Any) -> ProviderTerms:
+    values: dict[str, Any] = {
+        "call_timeout": timedelta(milliseconds=200),
+        "key_retention": timedelta(hours=1),
+        "repeat_safe": True,
+    }
+    values.update(changes)
+    return ProviderTerms(**values)
+
+
+class Rig:
+    """A worker, the provider it calls, and a way to leave operations behind as a dead service
+    would (its lease expires at once)."""
+
+    def __init__(self, settings: Settings, provider: MemoryProvider) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.policy = Policy()
+        self.registry = CollectorRegistry()
+        self.pool = open_pool(settings.dsn, name="test-recovery")
+        self.transport = KafkaTransport(settings)
+        self.history = HistoryReader(settings, self.pool)
+        self.worker = RecoveryWorker(
+            settings,
+            pool=self.pool,
+            transport=self.transport,
+            leases=LeaseStore(self.pool, "test-recovery"),
+            history=self.history,
+            results=ResultStore(self.pool),
+            policy=self.policy,
+            providers=[provider],
+            metrics=Metrics.create(self.registry),
+        )
+        self.service = TransitionRecorder.connect(settings, owner="dead-service")
+
+    def close(self) -> None:
+        self.service.close()
+        self.worker.close()
+        self.history.close()
+        self.transport.close()
+        self.pool.close()
+
+    def abandoned(self, *, dispatched: bool = False, unknown: bool = False) -> TrackedOperation:
+        op = self.service.intent(
+            "acme", "agent-7", TOOL, {"to": "a@example.com", "t": time.time_ns()},
+            lease_ttl=timedelta(seconds=1),
+        )  # fmt: skip
+        if dispatched or unknown:
+            self.service.dispatched(op, provider_ref=op.operation_id)
+        if unknown:
+            self.service.unknown(op, "connection reset")
+        return op
+
+    def recover(self, passes: int = 1) -> None:
+        time.sleep(1.1)  # the dead service's lease runs out
+        project_in_process(self.settings)
+        for _ in range(passes):
+            self.worker.run_once(range(self.settings.partitions))
+        project_in_process(self.settings)
+
+    def row(self, op: TrackedOperation) -> tuple[Any, ...]:
+        with psycopg.connect(self.settings.dsn) as conn:
+            row = conn.execute(
+                "SELECT execution_state, attempt, parked, decision, result_ref "
+                "FROM agent_operations WHERE operation_id = %s",
+                (op.operation_id,),
+            ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    def events(self, op: TrackedOperation) -> list[Any]:
+        codec = default_codec()
+        return [
+            codec.decode(v or b"")
+            for _p, _o, k, v in read_all(self.settings, self.settings.execution_topic)
+            if k == op.operation_id.encode()
+        ]
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture
+def rig(isolated: Settings) -> Iterator[Rig]:
+    built = Rig(isolated, MemoryProvider(TOOL, _terms(), mode=Mode.NON_IDEMPOTENT))
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+def _shape(events: list[Any]) -> list[str]:
+    out = []
+    for e in events:
+        if isinstance(e, ExecutionTransitioned):
+            out.append(f"{e.state}#{e.attempt}")
+        elif isinstance(e, OwnershipTaken):
+            out.append(f"OWNER#{e.lease_token}")
+        elif isinstance(e, ReconciliationDecided):
+            out.append(f"{e.decision}:{e.lookup}")
+    return out
+
+
+def test_an_intent_whose_owner_went_away_is_dispatched_once(rig: Rig) -> None:
+    op = rig.abandoned()
+    rig.recover(passes=2)  # a second pass finds nothing left to do
+    assert rig.row(op)[:2] == ("SUCCEEDED", 1)
+    assert rig.provider.stats().calls == 1
+    assert _shape(rig.events(op)) == [
+        "INTENT_RECORDED#0",
+        "OWNER#2",
+        "RESUME:NOT_LOOKED_UP",
+        "DISPATCHED#1",
+        "SUCCEEDED#1",
+    ]
+    assert rig.sample("opledger_resumed_intents_total", {"outcome": "succeeded"}) == 1
+
+
+def test_a_dispatch_without_an_owner_becomes_unknown_then_is_reconciled(rig: Rig) -> None:
+    op = rig.abandoned(dispatched=True)
+    # The dead service called the provider before it died: the effect happened.
+    rig.provider.call({"to": "a@example.com"}, op.operation_id)
+    rig.recover()
+    state, attempt, _parked, decision, result_ref = rig.row(op)
+    assert (state, attempt, decision) == ("SUCCEEDED", 1, "MARK_SUCCEEDED")
+    assert result_ref is not None
+    assert rig.provider.stats().calls == 1, "reconciled by lookup: no second call"
+    shape = _shape(rig.events(op))
+    assert shape[-3:] == ["UNKNOWN#1", "MARK_SUCCEEDED:FOUND_SUCCEEDED", "SUCCEEDED#1"]
+    assert rig.sample("opledger_detector_transitions_total") == 1
+    with ResultStore.connect(rig.settings.dsn) as store:
+        assert store.get("acme", result_ref) is not None, "the recovered result is stored"
+
+
+def test_a_confirmed_failure_found_by_lookup_is_recorded_failed(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)
+    rig.provider.script(op.operation_id, [Action.FAIL])
+    rig.provider.call({"to": "a@example.com"}, op.operation_id)
+    rig.recover()
+    assert rig.row(op)[:2] == ("FAILED", 1)
+    assert rig.provider.stats().calls == 1
+
+
+def test_not_found_with_policy_allowing_a_repeat_makes_one_new_attempt(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)  # dispatched, but the call never reached the provider
+    rig.recover(passes=2)
+    assert rig.row(op)[:2] == ("SUCCEEDED", 2)
+    stats = rig.provider.stats()
+    assert stats.calls == 1 and stats.received_keys == (op.operation_id,), "same key"
+    decisions = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
+    dispatches = [
+        e for e in rig.events(op) if isinstance(e, ExecutionTransitioned) and e.attempt == 2
+    ]
+    assert [d.decision for d in decisions] == [Decision.NEW_ATTEMPT]
+    assert decisions[0].policy_allowed and decisions[0].policy_version
+    assert dispatches[0].decision_id == decisions[0].event_id, "the dispatch cites its evidence"
+    assert rig.policy.asked[-1].purpose is Purpose.NEW_ATTEMPT
+
+
+def test_not_found_past_the_key_retention_is_parked_never_re_executed(isolated: Settings) -> None:
+    rig = Rig(isolated, MemoryProvider(TOOL, _terms(key_retention=timedelta(0))))
+    try:
+        op = rig.abandoned(unknown=True)
+        rig.recover(passes=2)
+        state, _attempt, parked, decision, _ref = rig.row(op)
+        assert (state, decision) == ("UNKNOWN", "PARK")
+        assert parked and "retention" in parked
+        assert rig.provider.stats().calls == 0
+        assert rig.sample("opledger_reconciliations_total", {"outcome": "parked"}) == 1
+    finally:
+        rig.close()
+
+
+def test_a_revoked_grant_refuses_a_new_attempt_and_keeps_the_history(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)
+    rig.policy.revoked = True
+    rig.recover(passes=2)
+    state, _attempt, parked, decision, _ref = rig.row(op)
+    assert (state, decision) == ("UNKNOWN", "REFUSE") and parked and "revoked" in parked
+    assert rig.provider.stats().calls == 0, "no new call"
+    refused = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)][-1]
+    assert refused.lookup is LookupStatus.NOT_FOUND and not refused.policy_allowed
+    assert refused.policy_version == REVOCATION
+    assert _shape(rig.events(op))[:3] == ["INTENT_RECORDED#0", "DISPATCHED#1", "UNKNOWN#1"]
+
+
+def test_a_found_success_is_recorded_even_when_policy_now_refuses(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)
+    rig.provider.call({"to": "a@example.com"}, op.operation_id)
+    rig.policy.revoked = True
+    rig.recover()
+    assert rig.row(op)[:2] == ("SUCCEEDED", 1)
+    decided = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)][-1]
+    assert decided.decision is Decision.MARK_SUCCEEDED and not decided.policy_allowed
+    assert "policy now refuses" in decided.reason
+    assert rig.provider.stats().calls == 1
+
+
+def test_an_unavailable_lookup_is_retried_later_never_answered_with_a_call(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)
+    rig.provider.configure(lookup_unavailable_rate=1.0)
+    rig.recover(passes=3)
+    assert rig.row(op)[:2] == ("UNKNOWN", 1)
+    assert rig.provider.stats().calls == 0
+    retries = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
+    assert [d.decision for d in retries] == [Decision.RETRY_LOOKUP], "recorded once"
+    rig.provider.configure(lookup_unavailable_rate=0.0)
+    rig.provider.call({"to": "a@example.com"}, op.operation_id)  # it did happen, after all
+    time.sleep(1.2)  # the backoff
+    rig.recover()
+    assert rig.row(op)[:2] == ("SUCCEEDED", 1)
+    assert rig.provider.stats().calls == 1
+
+
+def test_a_live_owner_is_left_alone(rig: Rig) -> None:
+    op = rig.service.intent("acme", "agent-7", TOOL, {"n": 1}, lease_ttl=timedelta(minutes=5))
+    rig.service.dispatched(op, provider_ref=op.operation_id)
+    time.sleep(0.3)  # longer than the call timeout, but the owner's lease is alive
+    project_in_process(rig.settings)
+    rig.worker.run_once(range(rig.settings.partitions))
+    project_in_process(rig.settings)
+    assert rig.row(op)[:2] == ("DISPATCHED", 1)
+    assert len(rig.events(op)) == 2
+
+
+def test_the_worker_refuses_to_act_on_an_operation_claimed_by_someone_else(rig: Rig) -> None:
+    op = rig.abandoned()
+    time.sleep(1.1)
+    project_in_process(rig.settings)
+    # Another process takes it over first (and holds it): the worker finds nothing due.
+    with TransitionRecorder.connect(rig.settings, owner="other") as other:
+        other.take_over(op.operation_id, "acme", reason="mine", ttl=timedelta(minutes=1))
+        project_in_process(rig.settings)
+        rig.worker.run_once(range(rig.settings.partitions))
+    assert rig.provider.stats().calls == 0
+    assert datetime.now(UTC)  # (the op is the other's until its lease expires)
+
+
+def test_a_cancelled_operation_is_reconciled_but_never_attempted_again(rig: Rig) -> None:
+    op = rig.abandoned(unknown=True)
+    time.sleep(1.1)
+    with TransitionRecorder.connect(rig.settings, owner="operator") as operator:
+        operator.cancel(op.operation_id, "acme", "alice", "customer asked")
+    rig.recover(passes=2)
+    state, _attempt, parked, decision, _ref = rig.row(op)
+    assert (state, decision) == ("UNKNOWN", "REFUSE") and parked and "cancelled" in parked
+    assert rig.provider.stats().calls == 0
