@@ -32,6 +32,8 @@ from pathlib import Path
 import psycopg
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
@@ -167,7 +169,11 @@ def _run(argv: Sequence[str], what: str, cwd: Path | None = None) -> str:
 def _port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        if sock.connect_ex(("127.0.0.1", port)) != 0:
+            return False
+        # A port inside the ephemeral range can "answer" by TCP simultaneous open: the
+        # kernel hands this very socket the port it dials and it connects to itself.
+        return bool(sock.getsockname() != sock.getpeername())
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -639,6 +645,50 @@ def _ensure_database(settings: Settings) -> None:
             conn.execute(f'CREATE DATABASE "{PG_DATABASE}" OWNER "{PG_USER}"')
     with psycopg.connect(settings.dsn, connect_timeout=5):
         pass
+    _ensure_consumer_database(settings)
+
+
+def _ensure_consumer_database(settings: Settings) -> None:
+    """The reference consumer's own database on the local server (it creates its tables, not
+    its database). Left alone when OPLEDGER_CONSUMER_PG_DSN points elsewhere."""
+    if settings.consumer_pg_dsn:
+        return
+    name = conninfo_to_dict(settings.consumer_dsn).get("dbname")
+    if not name:
+        return
+    with psycopg.connect(_admin_dsn(settings), autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} OWNER {}").format(
+                    sql.Identifier(str(name)), sql.Identifier(PG_USER)
+                )
+            )
+
+
+def consumer_secret_file(settings: Settings) -> Path:
+    """Where the local stack keeps the reference consumer's webhook signing secret."""
+    return settings.home / supervisor.LOCAL_CONSUMER_SECRET
+
+
+def ensure_consumer_secret(settings: Settings) -> Path:
+    """Write a new ``whsec_`` secret for the local reference consumer, once; returns its path.
+
+    Created with mode 0600 in a 0700 directory, never rewritten (destinations added with it
+    keep working), and tightened back to 0600 if someone widened it.
+    """
+    path = consumer_secret_file(settings)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        path.chmod(0o600)
+        return path
+    # Standard Webhooks: "whsec_" + base64 of the key (32 random bytes here).
+    secret = "whsec_" + base64.b64encode(os.urandom(32)).decode("ascii")
+    with os.fdopen(fd, "w") as out:
+        out.write(secret + "\n")
+    return path
 
 
 def _stop_postgres(settings: Settings, echo: Echo) -> None:
@@ -787,15 +837,42 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             raise StackError(str(exc)) from None
         # Every component's tables, so the SDK and the workers find them (the SDK makes none).
         db.migrate(settings.dsn)
+        ensure_consumer_secret(settings)
         if not (kafka_ok and pg_ok):
             echo(
                 f"stack up: kafka {settings.bootstrap_servers}, postgres {settings.dsn}, "
                 f"topics {', '.join(s.name for s in specs)}"
             )
+        if workers and supervised and (changed := _workers_changed(settings)):
+            # A supervisor started by an older opledger runs another worker list; only a new
+            # supervisor reads this one. Its workers are crash-safe, so a restart loses nothing.
+            echo(f"supervisor: the worker list changed ({changed}); restarting it")
+            stop_supervisor(settings, echo)
+            supervised = False
         # Last, on healthy servers: a worker started earlier would only crash and back off.
         if workers and not supervised:
             start_supervisor(settings, echo)
             wait_workers_ready(settings, echo)
+
+
+def _workers_changed(settings: Settings) -> str:
+    """How the running supervisor's workers differ from WORKERS ("" when they do not, or when
+    it has not written its status yet)."""
+    status = supervisor.read_status(settings)
+    if status.get("supervisor", {}).get("pid") != supervisor.supervisor_pid(settings):
+        return ""  # a status written by an earlier supervisor, or none yet: nothing to compare
+    running = {
+        name: tuple(worker.get("argv_suffix", ()))
+        for name, worker in status.get("workers", {}).items()
+        if isinstance(worker, dict)
+    }
+    wanted = {spec.name: spec.args for spec in supervisor.WORKERS}
+    differences = [f"+{name}" for name in wanted if name not in running]
+    differences += [f"-{name}" for name in running if name not in wanted]
+    differences += [
+        f"~{name}" for name in wanted if name in running and running[name] != wanted[name]
+    ]
+    return ", ".join(differences)
 
 
 def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool = False) -> None:
@@ -819,6 +896,57 @@ def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool 
             _start_kafka(settings, echo)
         else:
             raise StackError(f"unknown service {service!r}: restart kafka or postgres")
+
+
+def restart_worker(
+    settings: Settings, name: str, echo: Echo = print, *, kill: bool = False, wait: bool = True
+) -> int:
+    """Stop one supervised worker (SIGTERM, or SIGKILL with ``kill``) and let the supervisor
+    start it again, as it does after any crash; returns the pid that was stopped. ``wait``:
+    until the new process serves its ready URL."""
+    names = [spec.name for spec in supervisor.WORKERS]
+    if name not in names:
+        raise StackError(f"no worker named {name!r}: the workers are {', '.join(names)}")
+    if supervisor.supervisor_pid(settings) is None:
+        raise StackError("the supervisor is not running: start it with `opledger stack up`")
+    worker = supervisor.read_status(settings).get("workers", {}).get(name, {})
+    pid = worker.get("pid") if isinstance(worker, dict) else None
+    try:
+        # The pid must still be that worker's, not a recycled one.
+        ours = isinstance(pid, int) and b"opledger.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        ours = False
+    if not ours or not isinstance(pid, int):
+        raise StackError(
+            f"{name} is not running now (the supervisor is restarting it?): "
+            "see `opledger stack status`"
+        )
+    os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+    echo(f"{name}: {'killed' if kill else 'stopped'} (pid {pid}); the supervisor restarts it")
+    if wait:
+        _wait_restarted(settings, name, pid, echo)
+    return pid
+
+
+def _wait_restarted(settings: Settings, name: str, old_pid: int, echo: Echo) -> None:
+    spec = next(spec for spec in supervisor.WORKERS if spec.name == name)
+    deadline = time.monotonic() + supervisor.BACKOFF_MAX_S + WORKERS_READY_TIMEOUT
+    while True:
+        worker = supervisor.read_status(settings).get("workers", {}).get(name, {})
+        pid = worker.get("pid")
+        if (
+            worker.get("state") == "running"
+            and pid not in (None, old_pid)
+            and (spec.ready_url is None or _answers(spec.ready_url(settings)))
+        ):
+            echo(f"{name}: running again (pid {pid})")
+            return
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"{name} is not serving again; see `opledger stack status` and "
+                f"{supervisor.worker_log(settings, name)}"
+            )
+        time.sleep(0.2)
 
 
 def down(settings: Settings, echo: Echo = print) -> None:

@@ -62,6 +62,9 @@ def create_app(
         f"{settings.topic_prefix}-{name}-host",
         broker=f"kafka://{settings.bootstrap_servers}",
         store="memory://",
+        # faust keeps a data directory even for memory tables; by default it lands in the
+        # current directory, so it goes with the rest of the local state.
+        datadir=str(settings.home / "faust" / "{conf.name}"),
         web_enabled=True,
         web_bind=settings.projector_web_bind,
         web_port=settings.projector_web_port if web_port is None else web_port,

@@ -304,6 +304,9 @@ def expected_delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
         r.state_entered_at,
         r.version,
         _seen(r.seen),
+        r.redrives,
+        sorted(r.retired),
+        r.round_started_at,
     )
 
 
@@ -318,8 +321,8 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
         ).fetchall()
         deliveries = conn.execute(
             "SELECT operation_id, destination, tenant_id, actor_id, state, attempts, result_ref, "
-            "next_attempt_at, error, created_at, updated_at, state_entered_at, version, seen "
-            "FROM deliveries"
+            "next_attempt_at, error, created_at, updated_at, state_entered_at, version, seen, "
+            "redrives, retired, round_started_at FROM deliveries"
         ).fetchall()
         history = conn.execute(
             'SELECT topic, partition, "offset", outcome FROM operation_history'
@@ -374,7 +377,18 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         OPLEDGER_PROJECTOR_WEB_PORT=str(settings.projector_web_port),
         OPLEDGER_RECOVERY_WEB_PORT=str(settings.recovery_web_port),
         OPLEDGER_RECOVERY_GROUP=settings.recovery_group,
+        OPLEDGER_DELIVERY_GROUP=settings.delivery_group,
+        OPLEDGER_DELIVERY_WEB_PORT=str(settings.delivery_web_port),
+        OPLEDGER_DELIVERY_INTERVAL_MS=str(settings.delivery_interval_ms),
+        OPLEDGER_DELIVERY_SCHEDULE=settings.delivery_schedule,
+        OPLEDGER_DELIVERY_MAX_ATTEMPTS=str(settings.delivery_max_attempts),
+        OPLEDGER_DELIVERY_HORIZON_S=str(settings.delivery_horizon_s),
         OPLEDGER_FAKE_PROVIDER_URL=settings.fake_provider_url,
+        OPLEDGER_RECOVERY_INTERVAL_MS=str(settings.recovery_interval_ms),
+        OPLEDGER_CONSUMER_NAME=settings.consumer_name,
+        OPLEDGER_CONSUMER_WEB_PORT=str(settings.consumer_web_port),
+        # Empty: the default (database opledger_consumer on the local server).
+        OPLEDGER_CONSUMER_PG_DSN=settings.consumer_pg_dsn,
         OPLEDGER_LOG_LEVEL="INFO",
     )
     env.update(extra)
@@ -382,12 +396,30 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999 here).
+
+    A port from bind(0) lies inside that range, so while its server is down a client
+    redialing it (librdkafka does, every backoff) can be handed the same number as its
+    own local port and connect to itself, holding the port the restarted server needs.
+    """
+    import random  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
         return port
+    raise RuntimeError("no free port between 20000 and 32000")
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def grant(
@@ -398,6 +430,7 @@ def grant(
     tool: str = "*",
     repeat_safe: bool = False,
     revoke: bool = False,
+    destinations: tuple[str, ...] = (),
 ) -> str:
     """Append a grant (or its revocation) to the policy topic, as `opledger policy grant`
     does; returns its event id (the policy version decisions cite). Project it before use."""
@@ -416,6 +449,7 @@ def grant(
         principal=actor,
         tool_name=tool,
         repeat_safe=repeat_safe and not revoke,
+        destinations=() if revoke else tuple(destinations),
     )
     p = producer(settings)
     p.produce(settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change))
