@@ -1,3 +1,12 @@
-"""Downstream consumers: deduplication on operation_id through a compacted key store, and the
-``POST /events`` receiver that answers 202 for receipt (not execution). Built by the consumer
-deduplication issue; nothing lives here until then."""
+"""Downstream consumers: what a receiving service embeds to apply each delivered result once,
+and the reference receiver.
+
+- :mod:`consumers.contract`: the ``POST /events`` contract (key, body, fingerprint, problems);
+- :mod:`consumers.signatures`: Standard Webhooks verification over the raw body;
+- :mod:`consumers.inbox`: check and change in one PostgreSQL transaction;
+- :mod:`consumers.keystore`: the compacted key store (publisher, restore, key view);
+- :mod:`consumers.dedup`, :mod:`consumers.runtime`: the two put together, one instance;
+- :mod:`consumers.receiver`: the aiohttp receiver; :mod:`consumers.queue`: the Kafka side.
+
+A 202 acknowledges receipt, never execution. Decision: docs/decisions/009-consumer-dedup.md.
+"""

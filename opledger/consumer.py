@@ -1,0 +1,179 @@
+"""Wiring of the reference consumer: ``opledger consumer run`` (the HTTP receiver) and
+``opledger consumer queue --topic T`` (a queue destination's records).
+
+Both need the consumer's own database (``OPLEDGER_CONSUMER_PG_DSN``, by default
+``opledger_consumer`` on the local server), created once by whoever runs the consumer; the
+consumer creates its tables there itself. The receiver also needs ``OPLEDGER_CONSUMER_SECRETS``
+(or ``--secrets-file``: the local stack's supervisor runs it with the secret `stack up` wrote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ledger import faults
+from ledger.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    import asyncio
+
+#: Exit code for errors whose message says how to fix them (same as ``opledger.cli``).
+EXIT_USAGE = 2
+
+
+def _setup(settings: Settings) -> None:
+    from ledger.secrets import RedactingFilter  # noqa: PLC0415
+    from ledger.topics import ensure_topics  # noqa: PLC0415
+
+    faults.arm(settings.fault_points)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    ensure_topics(settings)  # the key store among them
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    # uvloop when installed (faust's environment has it): libuv does the receiver's socket work
+    # with less Python per request. Not a declared dependency, so the default loop otherwise.
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger consumer run``: serve POST /events until SIGTERM/SIGINT."""
+    import asyncio  # noqa: PLC0415
+
+    from consumers.receiver import serve  # noqa: PLC0415
+    from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
+    from consumers.signatures import SignatureVerifier  # noqa: PLC0415
+
+    if args.secrets_file:
+        try:
+            settings = _with_secrets_file(settings, args.secrets_file)
+        except (OSError, SettingsError) as exc:
+            print(f"opledger: --secrets-file: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    if not settings.consumer_secret_list:
+        print(
+            "opledger: OPLEDGER_CONSUMER_SECRETS is empty; the receiver verifies every request's "
+            "signature, so give it the destination's whsec_ secret (or --secrets-file)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.name:
+        settings = settings.with_(consumer_name=args.name)  # validated like the variable
+    _setup(settings)
+    port = settings.consumer_web_port if args.port is None else args.port
+    verifier = SignatureVerifier(
+        settings.consumer_secret_list, tolerance_s=settings.consumer_timestamp_tolerance_s
+    )
+    runtime = ConsumerRuntime(settings)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(runtime, verifier, args.host, port))
+    except ConsumerSetupError as exc:
+        print(f"opledger: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _with_secrets_file(settings: Settings, name: str) -> Settings:
+    """``settings`` with the secret(s) read from ``name`` (relative to OPLEDGER_HOME), checked
+    as OPLEDGER_CONSUMER_SECRETS would be. Errors name the file, never its content."""
+    path = Path(name)
+    if not path.is_absolute():
+        path = settings.home / path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} does not exist (`opledger stack up` writes the local stack's)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"cannot read {path}: {type(exc).__name__}") from None
+    secrets = " ".join(text.split())
+    if not secrets:
+        raise SettingsError(f"{path} holds no secret")
+    return settings.with_(consumer_secrets=secrets)
+
+
+def queue(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger consumer queue --topic T``: consume a queue destination until SIGTERM/SIGINT."""
+    import signal  # noqa: PLC0415
+
+    from consumers.queue import QueueConsumer  # noqa: PLC0415
+    from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
+
+    if args.name:
+        settings = settings.with_(consumer_name=args.name)
+    _setup(settings)
+    runtime = ConsumerRuntime(settings)
+    consumer = QueueConsumer(runtime, args.topic, group_id=args.group)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _n, _f: consumer.stop())
+    try:
+        consumer.run()
+    except ConsumerSetupError as exc:
+        print(f"opledger: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        runtime.close()
+    return 0
+
+
+def _port(raw: str) -> int:
+    port = int(raw)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {raw}")
+    return port
+
+
+def register(commands: Any) -> None:
+    """``opledger consumer run|queue``."""
+    parser = commands.add_parser(
+        "consumer", help="the reference consumer: POST /events receiver and queue consumer"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run_parser = actions.add_parser(
+        "run",
+        help="serve POST /events (deduplicated on operation_id), /metrics and /healthz until "
+        "SIGTERM/SIGINT",
+    )
+    run_parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    run_parser.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        help="port to bind (default OPLEDGER_CONSUMER_WEB_PORT, 16068; 0 picks a free one)",
+    )
+    run_parser.add_argument(
+        "--secrets-file",
+        metavar="PATH",
+        default=None,
+        help="read the whsec_ secret(s) from this file (whitespace-separated; relative to "
+        "OPLEDGER_HOME) instead of OPLEDGER_CONSUMER_SECRETS",
+    )
+    run_parser.set_defaults(handler="opledger.consumer:run")
+    queue_parser = actions.add_parser(
+        "queue", help="consume a queue destination's topic with the same deduplication"
+    )
+    queue_parser.add_argument("--topic", required=True, help="the queue destination's topic")
+    queue_parser.add_argument(
+        "--group", default=None, help="consumer group (default <prefix>-consumer-<name>)"
+    )
+    for sub in (run_parser, queue_parser):
+        sub.add_argument(
+            "--name", default=None, help="consumer name (default OPLEDGER_CONSUMER_NAME)"
+        )
+    queue_parser.set_defaults(handler="opledger.consumer:queue")

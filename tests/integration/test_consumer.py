@@ -1,0 +1,853 @@
+"""The reference consumer against real HTTP on 127.0.0.1, real PostgreSQL and real Kafka (the
+``isolated`` fixture's topics and database): every answer of POST /events, a flood of malformed
+requests that changes nothing, concurrent duplicates applied once (in one receiver and across
+two), a wiped inbox that still refuses every earlier key from the key store, and the queue
+consumer's deduplication."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import http.client
+import json
+import logging
+import random
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+from prometheus_client.parser import text_string_to_metric_families
+
+from consumers.contract import MAX_BODY_BYTES, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX, Event
+from consumers.keystore import decode_entry, partition_of, record_key
+from consumers.queue import QueueConsumer, drain
+from consumers.receiver import Receiver, serve
+from consumers.runtime import ConsumerRuntime
+from consumers.signatures import SignatureVerifier
+from ledger.settings import Settings
+from ledger.topics import end_offsets
+from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
+from tests.support import free_port, read_all
+
+# --- a receiver in a thread of the test process --------------------------------------------------
+
+
+class RunningReceiver:
+    """``consumers.receiver.serve`` on a free port, in its own thread and event loop."""
+
+    def __init__(self, settings: Settings, **runtime_options: Any) -> None:
+        self.runtime = ConsumerRuntime(settings, **runtime_options)
+        self.port = 0
+        self._listening = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._listening.wait(30), f"receiver did not listen: {self._failure!r}"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_ready()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def listening(port: int) -> None:
+                self.port = port
+                self._listening.set()
+
+            verifier = SignatureVerifier([SECRET])
+            await serve(
+                self.runtime, verifier, "127.0.0.1", 0, stop=self._stop, on_listening=listening
+            )
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self._failure = exc
+            self._listening.set()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.runtime.ready:
+            assert self._failure is None, repr(self._failure)
+            assert time.monotonic() < deadline, "receiver did not become ready"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return found
+
+    def metric(self, name: str, **labels: str) -> float:
+        want = {"consumer": self.runtime.name, **labels}
+        return sum(
+            value
+            for (sample, sample_labels), value in self.metrics().items()
+            if sample == name and want.items() <= dict(sample_labels).items()
+        )
+
+
+@pytest.fixture
+def consumer_settings(isolated: Settings) -> Settings:
+    # Tests use the isolated database for the consumer's own tables too.
+    return isolated.with_(consumer_pg_dsn=isolated.dsn, consumer_secrets=SECRET)
+
+
+@pytest.fixture
+def receiver(consumer_settings: Settings) -> Iterator[RunningReceiver]:
+    running = RunningReceiver(consumer_settings)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def post(
+    url: str, body: bytes, headers: dict[str, str], path: str = "/events", method: str = "POST"
+) -> Answer:
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return Answer(response.status, dict(response.getheaders()), response.read())
+    finally:
+        conn.close()
+
+
+def send(url: str, op_id: str, body: bytes | None = None, **options: Any) -> Answer:
+    body = event_body(op_id) if body is None else body
+    return post(url, body, signed_headers(op_id, body, **options))
+
+
+def assert_problem(answer: Answer, status: int, slug: str) -> None:
+    assert answer.status == status, (answer.status, answer.body[:300])
+    assert answer.headers["Content-Type"].startswith(PROBLEM_CONTENT_TYPE)
+    document = answer.json()
+    assert set(document) == {"type", "title", "status", "detail"}
+    assert document["status"] == status
+    assert document["type"] == PROBLEM_TYPE_PREFIX + slug, document
+
+
+def counts(settings: Settings, consumer: str = "reference") -> tuple[int, int]:
+    """(inbox rows, applied changes) of ``consumer``."""
+    with psycopg.connect(settings.consumer_dsn) as conn:
+        inbox = conn.execute(
+            "SELECT count(*) FROM consumer_inbox WHERE consumer = %s", (consumer,)
+        ).fetchone()
+        changes = conn.execute(
+            "SELECT count(*) FROM consumer_applied_changes WHERE consumer = %s", (consumer,)
+        ).fetchone()
+    assert inbox is not None and changes is not None
+    return int(inbox[0]), int(changes[0])
+
+
+def changes_per_operation(settings: Settings) -> Counter[str]:
+    with psycopg.connect(settings.consumer_dsn) as conn:
+        rows = conn.execute("SELECT operation_id FROM consumer_applied_changes").fetchall()
+    return Counter(row[0] for row in rows)
+
+
+def wait_published(settings: Settings, expected: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with psycopg.connect(settings.consumer_dsn) as conn:
+            row = conn.execute("SELECT count(*) FROM consumer_inbox WHERE published").fetchone()
+        if row is not None and row[0] >= expected:
+            return
+        assert time.monotonic() < deadline, f"only {row} of {expected} keys published"
+        time.sleep(0.1)
+
+
+# --- every answer --------------------------------------------------------------------------------
+
+
+def test_every_answer_of_post_events(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    url = receiver.url
+    op = new_op_id()
+    body = event_body(op)
+
+    first = send(url, op, body)
+    assert first.status == 202 and first.json() == {"operation_id": op, "delivery": "accepted"}
+    assert "Idempotent-Replayed" not in first.headers
+    again = send(url, op, body, quoted=False)  # the bare key form, a fresh signature
+    assert again.status == 202 and again.body == first.body
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert_problem(send(url, op, event_body(op, tenant="other")), 422, "key-reused")
+    assert counts(consumer_settings) == (1, 1)
+
+    fresh = new_op_id()
+    good = event_body(fresh)
+    headers = signed_headers(fresh, good)
+
+    def without(*names: str) -> dict[str, str]:
+        return {k: v for k, v in headers.items() if k not in names}
+
+    assert_problem(post(url, good, without("Idempotency-Key")), 400, "missing-idempotency-key")
+    assert_problem(
+        post(url, good, {**headers, "Idempotency-Key": fresh.lower()}),
+        400,
+        "malformed-idempotency-key",
+    )
+    assert_problem(post(url, good, without("webhook-signature")), 401, "missing-signature")
+    assert_problem(post(url, good + b" ", headers), 401, "bad-signature")
+    stale = signed_headers(fresh, good, timestamp=int(time.time()) - 301)
+    assert_problem(post(url, good, stale), 401, "stale-signature")
+    assert_problem(
+        post(url, good, {**headers, "Content-Type": "text/plain"}), 415, "unsupported-media-type"
+    )
+    assert_problem(
+        post(url, good, {**headers, "Content-Type": "application/json; charset=latin-1"}),
+        415,
+        "unsupported-media-type",
+    )
+    assert_problem(post(url, good, without("Content-Type")), 415, "unsupported-media-type")
+    huge = b"{" + b" " * MAX_BODY_BYTES + b"}"
+    assert_problem(post(url, huge, signed_headers(fresh, huge)), 413, "body-too-large")
+    bad_json = b'{"operation_id": '
+    assert_problem(post(url, bad_json, signed_headers(fresh, bad_json)), 400, "malformed-body")
+    other = event_body(new_op_id())
+    assert_problem(post(url, other, signed_headers(fresh, other)), 422, "key-mismatch")
+    wrong_destination = signed_headers(fresh, good, destination="webhook:other")
+    assert_problem(post(url, good, wrong_destination), 422, "key-mismatch")
+    invalid = event_body(fresh, tenant="has space")
+    assert_problem(post(url, invalid, signed_headers(fresh, invalid)), 422, "invalid-event")
+    assert post(url, b"", {}, path="/nope").status == 404
+    not_allowed = post(url, b"", {}, method="GET")
+    assert_problem(not_allowed, 405, "method-not-allowed")
+    assert not_allowed.headers["Allow"] == "POST"
+    assert counts(consumer_settings) == (1, 1), "no refused request changed anything"
+
+    assert send(url, fresh, good).status == 202  # everything above left the key unused
+    assert counts(consumer_settings) == (2, 2)
+
+    assert (
+        receiver.metric("opledger_consumer_responses_total", status="202", reason="accepted") == 2
+    )
+    assert (
+        receiver.metric("opledger_consumer_responses_total", status="202", reason="duplicate") == 1
+    )
+    assert receiver.metric("opledger_consumer_responses_total", status="401") == 3
+    assert receiver.metric("opledger_consumer_accepted_total", via="http") == 2
+    assert receiver.metric("opledger_consumer_duplicate_keys_total", seen_in="view") == 1
+    assert receiver.metric("opledger_consumer_key_conflicts_total") == 1
+    assert receiver.metric("opledger_consumer_changes_total", outcome="applied") == 2
+    with urllib.request.urlopen(f"{url}/healthz", timeout=5) as response:
+        assert json.loads(response.read())["ready"] is True
+
+
+def test_nothing_of_a_body_or_the_secret_reaches_the_log(
+    consumer_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    marker = "MARKER-c0ffee"
+    caplog.set_level(logging.DEBUG, logger="opledger")
+    running = RunningReceiver(consumer_settings)
+    try:
+        op = new_op_id()
+        body = event_body(op, tenant=f"t-{marker}", result=marker.encode())
+        assert send(running.url, op, body).status == 202
+        assert send(running.url, op, body).status == 202  # a duplicate
+        assert send(running.url, op, event_body(op, tenant=marker)).status == 422
+        assert post(running.url, body + b" ", signed_headers(op, body)).status == 401
+        bad = event_body(op, tenant=f"{marker} with space")
+        assert post(running.url, bad, signed_headers(op, bad)).status == 422
+    finally:
+        running.stop()
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    assert op in text, "the per-request lines were not captured at DEBUG"
+    assert marker not in text
+    assert SECRET not in text and SECRET.removeprefix("whsec_") not in text
+
+
+def test_a_body_without_content_length_is_bounded_too(receiver: RunningReceiver) -> None:
+    op = new_op_id()
+    huge = event_body(op) + b" " * MAX_BODY_BYTES
+    host, port = "127.0.0.1", receiver.port
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.putrequest("POST", "/events")
+        for name, value in signed_headers(op, huge).items():
+            conn.putheader(name, value)
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for start in range(0, len(huge), 65536):
+            chunk = huge[start : start + 65536]
+            conn.send(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+        response = conn.getresponse()
+        answer = Answer(response.status, dict(response.getheaders()), response.read())
+    finally:
+        conn.close()
+    assert_problem(answer, 413, "body-too-large")
+
+
+def test_a_receiver_still_restoring_answers_503(consumer_settings: Settings) -> None:
+    runtime = ConsumerRuntime(consumer_settings)  # not started: nothing restored yet
+
+    async def scenario() -> tuple[int, dict[str, Any], int, str]:
+        from aiohttp import web  # noqa: PLC0415
+
+        runner = web.AppRunner(Receiver(runtime, SignatureVerifier([SECRET])).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        op = new_op_id()
+        body = event_body(op)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    f"http://127.0.0.1:{port}/events", data=body, headers=signed_headers(op, body)
+                ) as response:
+                    document = await response.json(content_type=None)
+                    retry_after = response.headers.get("Retry-After", "")
+                    status = response.status
+                async with session.get(f"http://127.0.0.1:{port}/healthz") as health:
+                    return status, document, health.status, retry_after
+        finally:
+            await runner.cleanup()
+
+    try:
+        status, document, health, retry_after = asyncio.run(scenario())
+    finally:
+        runtime.close()
+    assert (status, document["type"], health, retry_after) == (
+        503,
+        PROBLEM_TYPE_PREFIX + "not-ready",
+        503,
+        "1",
+    )
+
+
+# --- malformed input changes nothing -------------------------------------------------------------
+
+
+def _malformed(rng: random.Random, kind: str) -> tuple[bytes, dict[str, str], set[int]]:
+    op = new_op_id()
+    good = event_body(op)
+    if kind == "bad_json":
+        body = good[: rng.randrange(1, len(good) - 1)]
+        return body, signed_headers(op, body), {400}
+    if kind == "no_key":
+        headers = signed_headers(op, good)
+        del headers["Idempotency-Key"]
+        return good, headers, {400}
+    if kind == "malformed_key":
+        key = rng.choice([op.lower(), op[:-1], f'"{op}', "op_" + "x" * 26, f"{op};a=1", "42"])
+        return good, {**signed_headers(op, good), "Idempotency-Key": key}, {400}
+    if kind == "wrong_signature":
+        headers = signed_headers(op, good)
+        mutated = bytearray(good)
+        mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(7)
+        return bytes(mutated), headers, {400, 401}  # a flipped bit may break UTF-8 first
+    if kind == "stale":
+        when = int(time.time()) + rng.choice([-1, 1]) * rng.randrange(301, 10**6)
+        return good, signed_headers(op, good, timestamp=when), {401}
+    if kind == "huge":
+        body = good + b" " * (MAX_BODY_BYTES + rng.randrange(1, 1000))
+        return body, signed_headers(op, body), {413}
+    if kind == "content_type":
+        value = rng.choice(["text/plain", "application/xml", "application/x-www-form-urlencoded"])
+        return good, {**signed_headers(op, good), "Content-Type": value}, {415}
+    if kind == "random_bytes":
+        body = rng.randbytes(rng.randrange(0, 2000))
+        return body, signed_headers(op, good), {400, 401}
+    if kind == "random_bytes_signed":
+        body = rng.randbytes(rng.randrange(1, 2000))
+        headers = signed_headers(op, good)
+        return body, {**headers, "webhook-signature": "v1,AAAA"}, {400, 401}
+    if kind == "invalid_event":
+        data = json.loads(good)
+        data[rng.choice(list(data))] = rng.choice([None, 7, "", "has space", ["x"]])
+        body = json.dumps(data).encode()
+        return body, signed_headers(op, body), {422}
+    if kind == "other_operation":
+        body = event_body(new_op_id())
+        return body, signed_headers(op, body), {422}
+    raise AssertionError(kind)
+
+
+KINDS = (
+    "bad_json",
+    "no_key",
+    "malformed_key",
+    "wrong_signature",
+    "stale",
+    "content_type",
+    "random_bytes",
+    "random_bytes_signed",
+    "invalid_event",
+    "other_operation",
+)
+
+
+def test_a_thousand_malformed_requests_get_a_clear_4xx_and_change_nothing(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    accepted = send(receiver.url, new_op_id())  # something to be left unchanged
+    assert accepted.status == 202
+    before = counts(consumer_settings)
+    rng = random.Random(20260107)
+    requests = [_malformed(rng, KINDS[i % len(KINDS)]) for i in range(1100)]
+    requests += [_malformed(rng, "huge") for _ in range(20)]
+
+    async def flood() -> list[tuple[int, str, bytes]]:
+        limit = asyncio.Semaphore(8)
+        async with aiohttp.ClientSession() as session:
+
+            async def one(body: bytes, headers: dict[str, str]) -> tuple[int, str, bytes]:
+                async with (
+                    limit,
+                    session.post(f"{receiver.url}/events", data=body, headers=headers) as response,
+                ):
+                    return response.status, response.content_type, await response.read()
+
+            return await asyncio.gather(*(one(b, h) for b, h, _ in requests))
+
+    answers = asyncio.run(flood())
+    for (status, content_type, document), (_body, _headers, expected) in zip(
+        answers, requests, strict=True
+    ):
+        assert status in expected, (status, document[:200], expected)
+        assert content_type == PROBLEM_CONTENT_TYPE
+        problem = json.loads(document)
+        assert problem["status"] == status and problem["detail"]
+    assert counts(consumer_settings) == before
+    assert receiver.metric("opledger_consumer_accepted_total") == 1
+    # Labels stay a small fixed vocabulary: never an operation id, a header or a body.
+    reasons = {
+        dict(labels)["reason"]
+        for (name, labels) in receiver.metrics()
+        if name == "opledger_consumer_responses_total"
+    }
+    assert reasons <= {
+        "accepted",
+        "missing-idempotency-key",
+        "malformed-idempotency-key",
+        "bad-signature",
+        "stale-signature",
+        "unsupported-media-type",
+        "body-too-large",
+        "malformed-body",
+        "invalid-event",
+        "key-mismatch",
+    }, reasons
+    refused = sum(
+        value
+        for (name, labels), value in receiver.metrics().items()
+        if name == "opledger_consumer_responses_total" and dict(labels)["status"].startswith("4")
+    )
+    assert refused == len(requests)
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+
+
+async def _concurrent(urls: Sequence[str], op: str, copies: int) -> list[tuple[int, bool]]:
+    body = event_body(op)
+    headers = signed_headers(op, body)
+    start = asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(url: str) -> tuple[int, bool]:
+            await start.wait()
+            async with session.post(f"{url}/events", data=body, headers=headers) as response:
+                await response.read()
+                return response.status, "Idempotent-Replayed" in response.headers
+
+        tasks = [asyncio.ensure_future(one(urls[i % len(urls)])) for i in range(copies)]
+        await asyncio.sleep(0.05)
+        start.set()
+        return await asyncio.gather(*tasks)
+
+
+def _check_once(answers: list[tuple[int, bool]]) -> None:
+    statuses = Counter(status for status, _ in answers)
+    assert set(statuses) <= {202, 409}, statuses
+    first_receipts = [a for a in answers if a == (202, False)]
+    assert len(first_receipts) == 1, answers
+
+
+def test_sixteen_concurrent_copies_apply_the_change_once(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    ops = [new_op_id() for _ in range(10)]
+    seen: Counter[int] = Counter()
+    for op in ops:
+        answers = asyncio.run(_concurrent([receiver.url], op, 16))
+        _check_once(answers)
+        seen.update(status for status, _ in answers)
+        late = send(receiver.url, op)  # once the first copy committed: a replayed 202
+        assert (late.status, late.headers.get("Idempotent-Replayed")) == (202, "true")
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+    assert counts(consumer_settings) == (len(ops), len(ops))
+    assert receiver.metric("opledger_consumer_accepted_total") == len(ops), seen
+
+
+def test_two_receivers_on_one_inbox_apply_the_change_once(consumer_settings: Settings) -> None:
+    # Across processes only the primary key can stop the copy: no in-process set is shared.
+    first, second = RunningReceiver(consumer_settings), RunningReceiver(consumer_settings)
+    try:
+        ops = [new_op_id() for _ in range(10)]
+        for op in ops:
+            _check_once(asyncio.run(_concurrent([first.url, second.url], op, 16)))
+        assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+        inbox_duplicates = sum(
+            r.metric("opledger_consumer_duplicate_keys_total", seen_in="inbox")
+            for r in (first, second)
+        )
+        assert inbox_duplicates > 0, "no copy ever reached the primary key"
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_key_still_in_progress_is_409(consumer_settings: Settings) -> None:
+    async def slow_change(
+        conn: psycopg.AsyncConnection[Any], consumer: str, events: Sequence[Event]
+    ) -> list[str]:
+        # The general form of a change (a coroutine in the inbox transaction), made slow.
+        await conn.execute("SELECT pg_sleep(1.0)")
+        for event in events:
+            await conn.execute(
+                "INSERT INTO consumer_applied_changes (consumer, operation_id, tenant_id, "
+                "tool_name, destination, result_ref, content_type, result_bytes) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                (
+                    consumer,
+                    event.operation_id,
+                    event.body.tenant_id,
+                    event.body.tool_name,
+                    event.body.destination,
+                    event.body.result_ref,
+                    event.body.content_type,
+                    len(event.result),
+                ),
+            )
+        return ["applied"] * len(events)
+
+    running = RunningReceiver(consumer_settings, change=slow_change)
+    try:
+        op = new_op_id()
+
+        async def two() -> list[tuple[int, bool]]:
+            body = event_body(op)
+            headers = signed_headers(op, body)
+            async with aiohttp.ClientSession() as session:
+
+                async def one(delay: float) -> tuple[int, bool]:
+                    await asyncio.sleep(delay)
+                    async with session.post(
+                        f"{running.url}/events", data=body, headers=headers
+                    ) as response:
+                        return response.status, response.headers.get("Retry-After") == "1"
+
+                return list(await asyncio.gather(one(0), one(0.3)))
+
+        assert asyncio.run(two()) == [(202, False), (409, True)]
+        assert send(running.url, op).headers.get("Idempotent-Replayed") == "true"
+        assert changes_per_operation(consumer_settings) == Counter({op: 1})
+    finally:
+        running.stop()
+
+
+# --- the key store -------------------------------------------------------------------------------
+
+
+def test_accepted_keys_reach_the_key_store_on_their_partition(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    ops = [new_op_id() for _ in range(30)]
+    bodies = {op: event_body(op) for op in ops}
+    for op in ops:
+        assert send(receiver.url, op, bodies[op]).status == 202
+    wait_published(consumer_settings, len(ops))
+    records = read_all(consumer_settings, consumer_settings.consumer_keys_topic)
+    found = {}
+    for partition, _offset, key, value in records:
+        assert key is not None and value is not None
+        entry = decode_entry(key, value)
+        assert key == record_key("reference", entry.operation_id)
+        assert partition == partition_of(entry.operation_id, consumer_settings.partitions)
+        found[entry.operation_id] = entry
+    assert set(found) == set(ops)
+    for op, entry in found.items():
+        assert entry.consumer == "reference"
+        assert entry.fingerprint == hashlib.sha256(bodies[op]).digest()
+        assert entry.outcome == "applied"
+    assert receiver.metric("opledger_consumer_keystore_publish_lag_seconds_count") >= len(ops)
+
+
+def test_a_wiped_inbox_still_refuses_every_earlier_key(consumer_settings: Settings) -> None:
+    first = RunningReceiver(consumer_settings)
+    ops = [new_op_id() for _ in range(40)]
+    try:
+        for op in ops:
+            assert send(first.url, op).status == 202
+        wait_published(consumer_settings, len(ops))
+    finally:
+        first.stop()
+
+    with psycopg.connect(consumer_settings.consumer_dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE consumer_inbox, consumer_applied_changes")
+        conn.execute("DELETE FROM schema_migrations WHERE component = 'consumers'")
+
+    second = RunningReceiver(consumer_settings)  # migrations recreate the tables, empty
+    try:
+        assert second.runtime.restored is not None and second.runtime.restored.keys == len(ops)
+        assert counts(consumer_settings) == (0, 0)
+        for op in ops:  # re-sent with fresh signatures, as a delivery worker retries
+            answer = send(second.url, op)
+            assert answer.status == 202 and answer.headers["Idempotent-Replayed"] == "true"
+        assert_problem(send(second.url, ops[0], event_body(ops[0], tenant="x")), 422, "key-reused")
+        assert counts(consumer_settings) == (0, 0), "a restored key was applied again"
+        assert second.metric("opledger_consumer_duplicate_keys_total", seen_in="view") == len(ops)
+        assert second.metric("opledger_consumer_keystore_restored_keys") == len(ops)
+        assert send(second.url, new_op_id()).status == 202  # new keys still go through
+        assert counts(consumer_settings) == (1, 1)
+    finally:
+        second.stop()
+
+
+def test_restore_keeps_only_its_own_consumers_keys(consumer_settings: Settings) -> None:
+    crm = RunningReceiver(consumer_settings, name="crm")
+    try:
+        op = new_op_id()
+        assert send(crm.url, op).status == 202
+        wait_published(consumer_settings, 1)
+    finally:
+        crm.stop()
+    other = RunningReceiver(consumer_settings, name="billing")
+    try:
+        assert other.runtime.restored is not None and other.runtime.restored.keys == 0
+        assert other.runtime.restored.records == 1
+        assert send(other.url, op).status == 202  # the same operation is new to another consumer
+        assert "Idempotent-Replayed" not in send(other.url, new_op_id()).headers
+    finally:
+        other.stop()
+
+
+def test_a_tombstone_on_the_key_store_takes_the_key_out_of_the_view(
+    consumer_settings: Settings,
+) -> None:
+    first = RunningReceiver(consumer_settings)
+    kept, dropped = new_op_id(), new_op_id()
+    try:
+        assert send(first.url, kept).status == 202
+        assert send(first.url, dropped).status == 202
+        wait_published(consumer_settings, 2)
+    finally:
+        first.stop()
+    producer = Producer({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    producer.produce(
+        consumer_settings.consumer_keys_topic,
+        None,
+        record_key("reference", dropped),
+        partition=partition_of(dropped, consumer_settings.partitions),
+    )
+    assert producer.flush(30) == 0
+    runtime = ConsumerRuntime(consumer_settings)
+    try:
+        report = runtime.start()
+        assert (report.records, report.keys) == (3, 1)
+        assert kept in runtime.view and dropped not in runtime.view
+    finally:
+        runtime.close()
+
+
+def test_a_change_may_refuse_an_event_and_the_refusal_is_kept(
+    consumer_settings: Settings,
+) -> None:
+    async def refuse_acme(
+        conn: psycopg.AsyncConnection[Any], consumer: str, events: Sequence[Event]
+    ) -> list[str]:
+        return ["refused" if e.body.tenant_id == "acme" else "applied" for e in events]
+
+    running = RunningReceiver(consumer_settings, change=refuse_acme)
+    try:
+        refused, applied = new_op_id(), new_op_id()
+        assert send(running.url, refused).status == 202  # receipt, whatever the change did
+        assert send(running.url, applied, event_body(applied, tenant="beta")).status == 202
+        again = send(running.url, refused)
+        assert (again.status, again.headers.get("Idempotent-Replayed")) == (202, "true")
+        assert running.metric("opledger_consumer_changes_total", outcome="refused") == 1
+        assert running.metric("opledger_consumer_changes_total", outcome="applied") == 1
+    finally:
+        running.stop()
+    with psycopg.connect(consumer_settings.consumer_dsn) as conn:
+        rows = conn.execute("SELECT operation_id, outcome FROM consumer_inbox").fetchall()
+    outcomes: dict[str, str] = dict(rows)
+    assert outcomes == {refused: "refused", applied: "applied"}
+
+
+# --- the queue side ------------------------------------------------------------------------------
+
+
+def _queue_topic(settings: Settings) -> str:
+    topic = f"{settings.topic_prefix}.queue.crm"
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(topic, num_partitions=3)]).values():
+        future.result(30)
+    deadline = time.monotonic() + 30
+    while topic not in admin.list_topics(timeout=10).topics:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    return topic
+
+
+def _queue_record(op: str, body: bytes, **overrides: Any) -> dict[str, Any]:
+    headers = [
+        ("Idempotency-Key", f'"{op}"'.encode()),
+        ("webhook-id", f"{op}:{DESTINATION}".encode()),
+    ]
+    record: dict[str, Any] = {"key": op.encode(), "value": body, "headers": headers}
+    record.update(overrides)
+    return record
+
+
+def _produce(settings: Settings, topic: str, records: list[dict[str, Any]]) -> None:
+    producer = Producer(
+        {"bootstrap.servers": settings.bootstrap_servers, "enable.idempotence": True}
+    )
+    for record in records:
+        producer.produce(topic, **record)
+    assert producer.flush(30) == 0
+
+
+def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -> None:
+    topic = _queue_topic(consumer_settings)
+    ops = [new_op_id() for _ in range(30)]
+    good = [_queue_record(op, event_body(op)) for op in ops]
+    conflicting = _queue_record(ops[0], event_body(ops[0], tenant="other"))
+    stray = new_op_id()
+    malformed = [
+        _queue_record(stray, event_body(stray), headers=[]),  # no Idempotency-Key
+        _queue_record(stray, event_body(stray), key=b"op_other"),  # key is not the header
+        _queue_record(stray, b"{not json"),
+        _queue_record(stray, None),  # type: ignore[arg-type]  # a tombstone-like record
+        _queue_record(stray, event_body(new_op_id())),  # the body of another operation
+    ]
+    _produce(consumer_settings, topic, good + malformed + good + [conflicting])
+
+    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+    consumer = QueueConsumer(runtime, topic)
+    try:
+        consumer.open()
+        assert drain(consumer) == len(good) * 2 + len(malformed) + 1
+        consumer.close()
+        runtime.publisher.flush()
+        records = runtime.metrics.queue_records
+        by_outcome = {
+            dict(s.labels)["outcome"]: s.value
+            for metric in records.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+    finally:
+        runtime.close()
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+    assert by_outcome["accepted"] == len(ops) and by_outcome["duplicate"] == len(ops)
+    assert by_outcome["conflict"] == 1
+    assert (
+        sum(v for k, v in by_outcome.items() if k not in ("accepted", "duplicate", "conflict")) == 5
+    )
+
+    # Offsets were committed after the inbox: the group has nothing left to read.
+    group = f"{consumer_settings.topic_prefix}-consumer-queue-crm"
+    reader = Consumer({"bootstrap.servers": consumer_settings.bootstrap_servers, "group.id": group})
+    try:
+        ends = end_offsets(consumer_settings, [topic])
+        committed = reader.committed([TopicPartition(topic, p) for (_, p) in ends], timeout=10)
+        assert {(tp.topic, tp.partition): tp.offset for tp in committed} == ends
+    finally:
+        reader.close()
+
+    # A new group reads everything again (a redelivery after a lost offset commit, at worst):
+    # a fresh instance restores the keys from the key store and applies nothing.
+    wait_published(consumer_settings, len(ops))
+    again = ConsumerRuntime(consumer_settings, name="queue-crm")
+    replay = QueueConsumer(again, topic, group_id=f"{group}-replay")
+    try:
+        replay.open()
+        assert again.restored is not None and again.restored.keys == len(ops)
+        drain(replay)
+        replay.close()
+    finally:
+        again.close()
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+
+
+def test_queue_and_http_deliveries_of_one_consumer_share_its_keys(
+    consumer_settings: Settings,
+) -> None:
+    topic = _queue_topic(consumer_settings)
+    running = RunningReceiver(consumer_settings)
+    op = new_op_id()
+    try:
+        assert send(running.url, op).status == 202
+    finally:
+        running.stop()
+    _produce(consumer_settings, topic, [_queue_record(op, event_body(op))])
+    runtime = ConsumerRuntime(consumer_settings)
+    consumer = QueueConsumer(runtime, topic)
+    try:
+        consumer.open()
+        drain(consumer)
+        consumer.close()
+    finally:
+        runtime.close()
+    assert changes_per_operation(consumer_settings) == Counter({op: 1})
+
+
+def test_a_result_round_trips_into_the_change(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    op = new_op_id()
+    result = bytes(range(256)) * 10
+    body = event_body(op, result=result, content_type="application/octet-stream")
+    assert send(receiver.url, op, body).status == 202
+    with psycopg.connect(consumer_settings.consumer_dsn) as conn:
+        row = conn.execute(
+            "SELECT tenant_id, destination, content_type, result_bytes, result_ref "
+            "FROM consumer_applied_changes WHERE operation_id = %s",
+            (op,),
+        ).fetchone()
+    assert row is not None
+    assert row[:4] == ("acme", DESTINATION, "application/octet-stream", len(result))
+    assert row[4] == json.loads(body)["result_ref"]
+    assert base64.b64decode(json.loads(body)["result_b64"]) == result

@@ -1,0 +1,90 @@
+"""The consumer's settings: defaults, validation naming the variable, and a secret that is never
+shown (not in repr, not in an error message)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from ledger.settings import Settings, SettingsError
+from tests.consumer_support import OTHER_SECRET, SECRET
+
+HOME = {"OPLEDGER_HOME": "/srv/opledger"}
+
+
+def test_consumer_defaults() -> None:
+    s = Settings.from_env(HOME)
+    assert (s.consumer_name, s.consumer_web_port, s.consumer_timestamp_tolerance_s) == (
+        "reference",
+        16068,
+        300,
+    )
+    assert s.consumer_dsn == "postgresql://opledger@127.0.0.1:15432/opledger_consumer"
+    assert s.consumer_secret_list == ()
+    assert s.consumer_keys_topic == "opledger.consumer-keys.v1"
+
+
+def test_consumer_overrides() -> None:
+    s = Settings.from_env(
+        {
+            **HOME,
+            "OPLEDGER_CONSUMER_NAME": "crm.v2",
+            "OPLEDGER_CONSUMER_WEB_PORT": "26068",
+            "OPLEDGER_CONSUMER_PG_DSN": "postgresql://u@db/inbox",
+            "OPLEDGER_CONSUMER_SECRETS": f"{SECRET}  {OTHER_SECRET}",
+            "OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S": "60",
+            "OPLEDGER_TOPIC_PREFIX": "t1",
+        }
+    )
+    assert (s.consumer_name, s.consumer_web_port, s.consumer_dsn) == (
+        "crm.v2",
+        26068,
+        "postgresql://u@db/inbox",
+    )
+    assert s.consumer_secret_list == (SECRET, OTHER_SECRET)
+    assert s.consumer_timestamp_tolerance_s == 60
+    assert s.consumer_keys_topic == "t1.consumer-keys.v1"
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("OPLEDGER_CONSUMER_NAME", ""),
+        ("OPLEDGER_CONSUMER_NAME", "a/b"),
+        ("OPLEDGER_CONSUMER_NAME", "x" * 65),
+        ("OPLEDGER_CONSUMER_WEB_PORT", "0"),
+        ("OPLEDGER_CONSUMER_WEB_PORT", "abc"),
+        ("OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", "0"),
+        ("OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", "301"),
+    ],
+)
+def test_bad_consumer_values_name_the_variable(name: str, raw: str) -> None:
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env({**HOME, name: raw})
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "c2VjcmV0LXdpdGhvdXQtcHJlZml4LTEyMzQ1Njc4OTA=",  # no whsec_ prefix
+        "whsec_" + base64.b64encode(b"short").decode(),
+        "whsec_" + base64.b64encode(bytes(65)).decode(),
+        "whsec_not*base64*at*all*but*long*enough*xx",
+        "whsec_",
+    ],
+)
+def test_a_bad_secret_is_refused_without_showing_it(secret: str) -> None:
+    with pytest.raises(SettingsError, match="OPLEDGER_CONSUMER_SECRETS") as raised:
+        Settings.from_env({**HOME, "OPLEDGER_CONSUMER_SECRETS": f"{SECRET} {secret}"})
+    assert "secret 2" in str(raised.value)
+    for shown in (secret, secret.removeprefix("whsec_"), SECRET):
+        if shown not in ("", "whsec_"):  # the message names the prefix itself
+            assert shown not in str(raised.value)
+
+
+def test_the_secret_is_not_in_the_settings_repr() -> None:
+    s = Settings.from_env({**HOME, "OPLEDGER_CONSUMER_SECRETS": SECRET})
+    assert SECRET not in repr(s)
+    assert SECRET.removeprefix("whsec_") not in repr(s)
+    assert "consumer_name='reference'" in repr(s)
