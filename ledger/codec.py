@@ -99,6 +99,60 @@ class _Schema:
     source: Path
     #: the direct reader/writer when every field has a type it knows, else None (use fastavro).
     plain: PlainRecord | None = None
+    #: how to find the ``state`` symbol in a body without decoding it (see Codec.peek_state)
+    peek: _StatePeek | None = None
+
+
+#: Field kinds the peek steps over: a string (length + bytes) or a varint (int, long, timestamp).
+_SKIP_STRING, _SKIP_VARINT = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class _StatePeek:
+    """The fields before ``state`` (each a string or a varint, none nullable), and its symbols.
+    ``symbols`` is empty for a record with no such field: its name alone is the answer."""
+
+    skips: tuple[int, ...]
+    symbols: tuple[str, ...]
+
+
+def _state_peek(raw: dict[str, Any]) -> _StatePeek | None:
+    skips: list[int] = []
+    for field in raw.get("fields", ()):
+        avro_type = field["type"]
+        if field["name"] == "state":
+            if isinstance(avro_type, dict) and avro_type.get("type") == "enum":
+                return _StatePeek(tuple(skips), tuple(avro_type["symbols"]))
+            return None
+        if avro_type == "string":
+            skips.append(_SKIP_STRING)
+        elif avro_type in ("int", "long") or (
+            isinstance(avro_type, dict)
+            and avro_type.get("type") == "long"
+            and avro_type.get("logicalType") == "timestamp-micros"
+        ):
+            skips.append(_SKIP_VARINT)
+        else:
+            # A field the peek does not step over comes before any state: if there is a
+            # state, only a decode finds it; if there is none, the name is the answer.
+            has_state = any(f["name"] == "state" for f in raw.get("fields", ()))
+            return None if has_state else _StatePeek((), ())
+    return _StatePeek((), ())
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(zig-zag decoded value, next position); raises IndexError past the end."""
+    byte = data[pos]
+    pos += 1
+    n, shift = byte & 0x7F, 7
+    while byte & 0x80:
+        if shift > 63:
+            raise IndexError("varint longer than 10 bytes")
+        byte = data[pos]
+        pos += 1
+        n |= (byte & 0x7F) << shift
+        shift += 7
+    return (n >> 1) ^ -(n & 1), pos
 
 
 def schema_dirs() -> list[Path]:
@@ -119,6 +173,7 @@ def _load(path: Path) -> _Schema:
         fingerprint=fingerprint,
         source=path,
         plain=PlainRecord.of(raw),
+        peek=_state_peek(raw),
     )
 
 
@@ -197,6 +252,45 @@ class Codec:
         if end != len(data):
             raise DecodeError(f"{len(data) - end} trailing bytes after the {writer.name} body")
         return writer.name, datum
+
+    def peek_state(self, data: bytes) -> tuple[str, str | None] | None:
+        """``(record name, state symbol)`` of a record written with a *current* schema, read
+        from the first fields of its body without decoding the rest (the symbol is None for a
+        record that has no ``state``). None when that cannot be told this cheaply (an archived
+        writer schema, an unknown fingerprint, bytes that end early or hold an impossible
+        length or symbol): then :meth:`decode` it.
+
+        A peek validates nothing: it only says which records a reader may skip unread
+        (``tests/unit/test_codec_peek.py`` holds it to :meth:`decode` for every state). A
+        record the reader acts on, it decodes.
+        """
+        if len(data) < HEADER_LENGTH or data[:2] != MARKER:
+            return None
+        writer = self._by_fingerprint.get(data[2:HEADER_LENGTH])
+        if writer is None or writer.peek is None or self._current.get(writer.name) is not writer:
+            return None
+        peek = writer.peek
+        if not peek.symbols:
+            return writer.name, None
+        pos = HEADER_LENGTH
+        try:
+            for skip in peek.skips:
+                n = data[pos]
+                if n & 0x80:
+                    n, pos = _varint(data, pos)
+                else:  # one byte: ids' lengths, small attempts
+                    n = (n >> 1) ^ -(n & 1)
+                    pos += 1
+                if skip == _SKIP_STRING:
+                    if n < 0:
+                        return None
+                    pos += n
+            index, pos = _varint(data, pos)
+        except IndexError:
+            return None
+        if not 0 <= index < len(peek.symbols):
+            return None
+        return writer.name, peek.symbols[index]
 
     def decode(self, data: bytes) -> LedgerEvent:
         """Bytes from a topic -> a validated domain event; raises DecodeError with the reason."""

@@ -36,6 +36,13 @@ class Metrics:
     lease_takeovers: Counter
     parked_oldest_age_seconds: Gauge
     recovery_pass_seconds: Histogram
+    deliveries: Counter
+    outbox_deliveries: Counter
+    delivery_send_seconds: Histogram
+    confirmation_to_ack_seconds: Histogram
+    dead_lettered_deliveries: Gauge
+    delivery_redrives: Counter
+    delivery_pass_seconds: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -172,6 +179,51 @@ class Metrics:
             recovery_pass_seconds=Histogram(
                 "opledger_recovery_pass_seconds",
                 "Time of one recovery pass (find, take over, load, decide, record).",
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            deliveries=Counter(
+                "opledger_deliveries_total",
+                "Sends of deliveries by destination (its name) and outcome: acked, retry, "
+                "throttled, dead_lettered, disabled; and refused (dead-lettered before a send: "
+                "policy, a disabled or unknown destination, no stored result).",
+                ["destination", "outcome"],
+                registry=registry,
+            ),
+            outbox_deliveries=Counter(
+                "opledger_outbox_deliveries_total",
+                "PENDING deliveries the outbox opened for SUCCEEDED executions.",
+                registry=registry,
+            ),
+            delivery_send_seconds=Histogram(
+                "opledger_delivery_send_seconds",
+                "Time of one send (HTTP request to answer, or queue append to acknowledgement).",
+                ["kind"],
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            confirmation_to_ack_seconds=Histogram(
+                "opledger_delivery_confirmation_to_ack_seconds",
+                "Time from the execution's SUCCEEDED to the delivery's acknowledgement.",
+                ["destination"],
+                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 7200),
+                registry=registry,
+            ),
+            dead_lettered_deliveries=Gauge(
+                "opledger_dead_lettered_deliveries",
+                "Deliveries dead-lettered now (waiting for a redrive), by destination, on this "
+                "worker's partitions.",
+                ["destination"],
+                registry=registry,
+            ),
+            delivery_redrives=Counter(
+                "opledger_delivery_redrives_total",
+                "Dead-lettered deliveries sent again by a person (opledger deliveries redrive).",
+                registry=registry,
+            ),
+            delivery_pass_seconds=Histogram(
+                "opledger_delivery_pass_seconds",
+                "Time of one delivery pass (outbox, due deliveries, sends, records).",
                 buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),

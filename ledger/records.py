@@ -4,6 +4,7 @@ writes through. Defined here, in the shared kernel, so ``processors`` (which rea
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -104,6 +105,10 @@ class ProjectionReport:
     skipped_redelivered: int = 0
     #: policy changes folded into the policy tables
     policy_changes: int = 0
+    #: (machine, rejection kind) -> anomalies of that kind
+    anomaly_kinds: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: dead-lettered deliveries sent again by a person
+    redrives: int = 0
     #: (topic, partition) -> offset to read again from: deliveries held back until their
     #: execution is projected (the sink committed that partition only up to there).
     rewind: dict[tuple[str, int], int] = field(default_factory=dict)

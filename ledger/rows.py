@@ -55,6 +55,9 @@ DELIVERY_COLUMNS = (
     "state_entered_at",
     "version",
     "seen",
+    "redrives",
+    "retired",
+    "round_started_at",
 )
 
 
@@ -178,6 +181,9 @@ def delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
         r.state_entered_at,
         r.version,
         seen_text(r.seen),
+        r.redrives,
+        sorted(r.retired),
+        r.round_started_at,
     )
 
 
@@ -198,6 +204,9 @@ def delivery_from_row(row: Sequence[Any]) -> DeliveryRecord:
         entered,
         version,
         seen,
+        redrives,
+        retired,
+        round_started_at,
     ) = row
     return DeliveryRecord(
         operation_id=op,
@@ -214,6 +223,9 @@ def delivery_from_row(row: Sequence[Any]) -> DeliveryRecord:
         state_entered_at=entered,
         version=version,
         seen=_parse_seen(seen, DeliveryState),
+        redrives=redrives,
+        retired=frozenset(retired),
+        round_started_at=round_started_at,
     )
 
 

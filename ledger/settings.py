@@ -6,14 +6,24 @@ keeps tests free to build as many differently-configured instances as they like.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Self
 
+from ledger.domain.schedule import RetryPolicy, parse_schedule
+
 _TOPIC_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+# No "/": it separates the consumer from the operation id in the key store's record keys.
+_CONSUMER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: standardwebhooks 1.1.0 refuses a webhook-timestamp more than 5 minutes from now, whatever its
+#: caller wants (the window is a constant in its source), so a wider tolerance could not work.
+MAX_TIMESTAMP_TOLERANCE_S = 300
 
 
 def _var(field_name: str) -> str:
@@ -43,6 +53,18 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _webhook_secret_ok(secret: str) -> bool:
+    # Standard Webhooks: "whsec_" + base64 of a 24-64 byte key.
+    encoded = secret.removeprefix("whsec_")
+    if encoded == secret:
+        return False
+    try:
+        key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return 24 <= len(key) <= 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +110,41 @@ class Settings:
     providers: str = ""
     #: OPLEDGER_FAKE_PROVIDER_URL: where the demo's fake tool provider listens.
     fake_provider_url: str = "http://127.0.0.1:16077"
+    #: OPLEDGER_DELIVERY_GROUP: consumer group of the delivery workers (on the execution topic:
+    #: the outbox reads it, and its partitions say which operations' deliveries are whose).
+    delivery_group: str = "opledger-delivery"
+    #: OPLEDGER_DELIVERY_WEB_PORT: port of the delivery worker's /metrics and /healthz.
+    delivery_web_port: int = 16069
+    #: OPLEDGER_DELIVERY_INTERVAL_MS: how often the delivery worker looks for due deliveries.
+    delivery_interval_ms: int = 200
+    #: OPLEDGER_DELIVERY_SCHEDULE: waits before the 2nd, 3rd, ... send of a delivery (units ms,
+    #: s, m, h, d); past its end the last wait repeats. Standard Webhooks' example schedule.
+    delivery_schedule: str = "5s,5m,30m,2h,5h,10h,10h"
+    #: OPLEDGER_DELIVERY_MAX_ATTEMPTS: sends per round (the first included) before the delivery
+    #: is dead-lettered; a redrive starts a new round.
+    delivery_max_attempts: int = 8
+    #: OPLEDGER_DELIVERY_HORIZON_S: no send is scheduled later than this after a round began.
+    delivery_horizon_s: int = 3 * 24 * 3600
+    #: OPLEDGER_DELIVERY_CONCURRENCY: sends in flight at once per worker.
+    delivery_concurrency: int = 256
+    #: OPLEDGER_CONSUMER_NAME: the consumer's name in its inbox and in the key store (letters,
+    #: digits, '.', '_', '-'); replicas of one consumer share it, different consumers must not.
+    consumer_name: str = "reference"
+    #: OPLEDGER_CONSUMER_WEB_PORT: port of the reference receiver (POST /events, /metrics,
+    #: /healthz).
+    consumer_web_port: int = 16068
+    #: OPLEDGER_CONSUMER_PG_DSN: the consumer's own database (its inbox and its change); defaults
+    #: to database ``opledger_consumer`` on the local server, which whoever runs the consumer
+    #: creates (the consumer creates its tables, not its database).
+    consumer_pg_dsn: str = ""
+    #: OPLEDGER_CONSUMER_SECRETS: the ``whsec_...`` secret(s) webhook signatures are checked
+    #: against, separated by spaces (two while a secret is rotated). Never logged nor shown in
+    #: repr; a real deployment reads it from its secret store and passes it in, the environment
+    #: is for the local stack and tests.
+    consumer_secrets: str = field(default="", repr=False)
+    #: OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S: how far a webhook-timestamp may be from now
+    #: before the request is refused as stale, in seconds (1-300).
+    consumer_timestamp_tolerance_s: int = MAX_TIMESTAMP_TOLERANCE_S
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -117,6 +174,20 @@ class Settings:
             recovery_interval_ms=_int(env, "OPLEDGER_RECOVERY_INTERVAL_MS", 500),
             providers=env.get("OPLEDGER_PROVIDERS", ""),
             fake_provider_url=env.get("OPLEDGER_FAKE_PROVIDER_URL", "http://127.0.0.1:16077"),
+            delivery_group=env.get("OPLEDGER_DELIVERY_GROUP", "opledger-delivery"),
+            delivery_web_port=_int(env, "OPLEDGER_DELIVERY_WEB_PORT", 16069),
+            delivery_interval_ms=_int(env, "OPLEDGER_DELIVERY_INTERVAL_MS", 200),
+            delivery_schedule=env.get("OPLEDGER_DELIVERY_SCHEDULE", "5s,5m,30m,2h,5h,10h,10h"),
+            delivery_max_attempts=_int(env, "OPLEDGER_DELIVERY_MAX_ATTEMPTS", 8),
+            delivery_horizon_s=_int(env, "OPLEDGER_DELIVERY_HORIZON_S", 3 * 24 * 3600),
+            delivery_concurrency=_int(env, "OPLEDGER_DELIVERY_CONCURRENCY", 256),
+            consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
+            consumer_web_port=_int(env, "OPLEDGER_CONSUMER_WEB_PORT", 16068),
+            consumer_pg_dsn=env.get("OPLEDGER_CONSUMER_PG_DSN", ""),
+            consumer_secrets=env.get("OPLEDGER_CONSUMER_SECRETS", ""),
+            consumer_timestamp_tolerance_s=_int(
+                env, "OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", MAX_TIMESTAMP_TOLERANCE_S
+            ),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )
@@ -130,6 +201,8 @@ class Settings:
             "pg_port",
             "projector_web_port",
             "recovery_web_port",
+            "delivery_web_port",
+            "consumer_web_port",
         ):
             port = getattr(self, name)
             if not 0 < port < 65536:
@@ -145,10 +218,41 @@ class Settings:
                 f"{_var('recovery_interval_ms')} must be at least 10, "
                 f"got {self.recovery_interval_ms}"
             )
+        for name, least in (
+            ("delivery_interval_ms", 10),
+            ("delivery_max_attempts", 1),
+            ("delivery_horizon_s", 1),
+            ("delivery_concurrency", 1),
+        ):
+            if getattr(self, name) < least:
+                raise SettingsError(
+                    f"{_var(name)} must be at least {least}, got {getattr(self, name)}"
+                )
+        try:
+            parse_schedule(self.delivery_schedule)
+        except ValueError as exc:
+            raise SettingsError(f"{_var('delivery_schedule')}: {exc}") from None
         if self.providers and not re.fullmatch(r"[\w.]+:\w+", self.providers):
             raise SettingsError(
                 f"{_var('providers')} must be 'package.module:function', got {self.providers!r}"
             )
+        if not _CONSUMER_NAME.fullmatch(self.consumer_name):
+            raise SettingsError(
+                f"{_var('consumer_name')} may hold letters, digits, '.', '_' and '-' only "
+                f"(1-64 characters), got {self.consumer_name!r}"
+            )
+        if not 1 <= self.consumer_timestamp_tolerance_s <= MAX_TIMESTAMP_TOLERANCE_S:
+            raise SettingsError(
+                f"{_var('consumer_timestamp_tolerance_s')} must be 1-{MAX_TIMESTAMP_TOLERANCE_S} "
+                f"seconds, got {self.consumer_timestamp_tolerance_s}"
+            )
+        for number, secret in enumerate(self.consumer_secret_list, start=1):
+            # The message names the secret by position only: it must never show its value.
+            if not _webhook_secret_ok(secret):
+                raise SettingsError(
+                    f"{_var('consumer_secrets')}: secret {number} is not 'whsec_' followed by "
+                    "base64 of 24 to 64 bytes"
+                )
         if not _TOPIC_PREFIX.match(self.topic_prefix):
             raise SettingsError(
                 f"{_var('topic_prefix')} may hold letters, digits, '.', '_' and '-' only "
@@ -161,12 +265,36 @@ class Settings:
         return replace(self, **changes).validated()  # type: ignore[arg-type]  # dataclasses.replace is untyped on **kwargs
 
     @property
+    def delivery_retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            schedule=parse_schedule(self.delivery_schedule),
+            max_attempts=self.delivery_max_attempts,
+            horizon=timedelta(seconds=self.delivery_horizon_s),
+        )
+
+    @property
     def bootstrap_servers(self) -> str:
         return self.kafka_bootstrap or f"127.0.0.1:{self.kafka_port}"
 
     @property
     def dsn(self) -> str:
         return self.pg_dsn or f"postgresql://opledger@127.0.0.1:{self.pg_port}/opledger"
+
+    @property
+    def consumer_dsn(self) -> str:
+        return (
+            self.consumer_pg_dsn
+            or f"postgresql://opledger@127.0.0.1:{self.pg_port}/opledger_consumer"
+        )
+
+    @property
+    def consumer_secret_list(self) -> tuple[str, ...]:
+        return tuple(self.consumer_secrets.split())
+
+    @property
+    def consumer_keys_topic(self) -> str:
+        """The compacted key store of the consumers' accepted operation ids."""
+        return f"{self.topic_prefix}.consumer-keys.v1"
 
     @property
     def execution_topic(self) -> str:

@@ -69,6 +69,18 @@ _POLICY_CONFIG: Mapping[str, str] = MappingProxyType(
 POLICY_PARTITIONS = 1
 
 
+# The consumers' key store (consumers/keystore.py) is current state too: one record per
+# (consumer, operation) key, the last one kept by compaction. Nothing expires by age, so the
+# dedup window is forever unless a tombstone is written (docs/decisions/009-consumer-dedup.md).
+_CONSUMER_KEYS_CONFIG: Mapping[str, str] = MappingProxyType(
+    {
+        "cleanup.policy": "compact",
+        "min.insync.replicas": "1",
+        "message.timestamp.type": "CreateTime",
+    }
+)
+
+
 def topic_specs(settings: Settings) -> list[TopicSpec]:
     """The execution, delivery and dead-letter topics for ``settings`` (the append-only logs)."""
     return [
@@ -84,9 +96,15 @@ def policy_topic_spec(settings: Settings) -> TopicSpec:
     return TopicSpec(settings.policy_topic, POLICY_PARTITIONS, _POLICY_CONFIG)
 
 
+def consumer_keys_topic_spec(settings: Settings) -> TopicSpec:
+    """The compacted consumer key store, co-partitioned with the operation topics (same count;
+    records are placed by the murmur2 partition of their operation id)."""
+    return TopicSpec(settings.consumer_keys_topic, settings.partitions, _CONSUMER_KEYS_CONFIG)
+
+
 def all_topic_specs(settings: Settings) -> list[TopicSpec]:
-    """Every topic opledger writes: the logs and the policy topic."""
-    return [*topic_specs(settings), policy_topic_spec(settings)]
+    """Every topic opledger writes: the logs, the policy topic and the consumer key store."""
+    return [*topic_specs(settings), policy_topic_spec(settings), consumer_keys_topic_spec(settings)]
 
 
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:

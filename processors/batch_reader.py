@@ -742,6 +742,10 @@ class BatchProjector:
             m.duplicate_transitions.labels(machine).inc(report.duplicates[machine])
             m.illegal_transitions.labels(machine).inc(report.anomalies[machine])
         m.projector_skipped_redelivered.inc(report.skipped_redelivered)
+        for (machine, kind), count in report.anomaly_kinds.items():
+            m.anomalies.labels(machine, kind).inc(count)
+        if report.redrives:
+            m.delivery_redrives.inc(report.redrives)
         if report.policy_changes:
             m.projected_events.labels("policy", "applied").inc(report.policy_changes)
         # One observation per event, as the metric is documented; the bound method and the

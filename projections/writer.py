@@ -83,6 +83,7 @@ _HISTORY_COLUMNS = (
     "result_ref",
     "error",
     "occurred_at",
+    "next_attempt_at",
 )
 
 
@@ -133,13 +134,13 @@ def _cols(names: Iterable[str]) -> str:
 
 def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
     c, e = item.coordinates, item.event
-    destination = provider_ref = result_ref = error = None
+    destination = provider_ref = result_ref = error = next_attempt_at = None
     if isinstance(e, ExecutionTransitioned):
         machine, state = "execution", e.state._value_
         provider_ref, result_ref, error = e.provider_ref, e.result_ref, e.error
     elif isinstance(e, DeliveryTransitioned):
         machine, state, destination = "delivery", e.state._value_, e.destination
-        result_ref, error = e.result_ref, e.error
+        result_ref, error, next_attempt_at = e.result_ref, e.error, e.next_attempt_at
     elif isinstance(e, OwnershipTaken):
         machine, state, error = "control", "OWNERSHIP_TAKEN", e.reason
     else:
@@ -162,6 +163,7 @@ def _history_row(item: SourcedEvent, outcome: str) -> tuple[Any, ...]:
         result_ref,
         error,
         e.occurred_at,
+        next_attempt_at,
     )
 
 
@@ -257,6 +259,7 @@ class _Folded:
             self.history.append(_history_row(item, "duplicate"))
             return
         report.anomalies[machine] += 1
+        report.anomaly_kinds[(machine, outcome.kind.value)] += 1
         self.history.append(_history_row(item, "anomaly"))
         event, c = item.event, item.coordinates
         # The anomaly belongs to the operation's owner, who sees the reason; the tenant that
@@ -568,6 +571,9 @@ class PostgresProjection:
                     folded.held[key] = item.coordinates.offset
                     continue
             if isinstance(outcome, Applied):
+                previous = deliveries.get(dkey)
+                if previous is not None and outcome.record.redrives > previous.redrives:
+                    report.redrives += 1
                 deliveries[dkey] = outcome.record
             owner = event.tenant_id if execution is None else execution.tenant_id
             folded.record(item, "delivery", outcome, owner, report)

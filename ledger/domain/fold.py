@@ -103,7 +103,25 @@ class DeliveryRecord:
     updated_at: datetime
     state_entered_at: datetime
     version: int
+    #: (state, attempt) -> event id of this round's steps (a redrive starts a new round)
     seen: Mapping[tuple[DeliveryState, int], str]
+    #: how many times a person sent the dead-lettered delivery again
+    redrives: int = 0
+    #: event ids of the steps of earlier rounds: a late copy of one is a duplicate, not news
+    retired: frozenset[str] = frozenset()
+    #: when the current round began (the last redrive); None: at ``created_at``
+    round_started_at: datetime | None = None
+
+    @property
+    def round_start(self) -> datetime:
+        """When the current round of sends began: the delivery's creation, or its last redrive
+        (the retry horizon counts from here)."""
+        return self.created_at if self.round_started_at is None else self.round_started_at
+
+    @property
+    def round_attempts(self) -> int:
+        """Sends made in the current round (a redrive starts a new budget of attempts)."""
+        return self.attempts - min(attempt for _state, attempt in self.seen)
 
 
 R = TypeVar("R", ExecutionRecord, DeliveryRecord)
@@ -432,6 +450,10 @@ def apply_delivery(
         raise ValueError("apply_delivery called with another (operation, destination)'s record")
     if event.tenant_id != current.tenant_id:
         return Rejected(FOREIGN_TENANT_REASON, RejectionKind.FOREIGN_TENANT)
+    if event.event_id in current.retired:
+        return Duplicate(
+            f"{event.destination} {event.state} attempt {event.attempt}, an earlier round"
+        )
     key = (event.state, event.attempt)
     repeat = _repeat(
         current.seen,
@@ -439,11 +461,21 @@ def apply_delivery(
         event.event_id,
         f"{event.destination} {event.state} attempt {event.attempt}",
     )
-    if repeat is not None:
+    # A resend of any step of the round is a duplicate. A *new* PENDING after a dead letter is
+    # not a rival version of the round's PENDING but a redrive, which opens the next round.
+    starts_round = (
+        current.state is DeliveryState.DEAD_LETTERED and event.state is DeliveryState.PENDING
+    )
+    if repeat is not None and (isinstance(repeat, Duplicate) or not starts_round):
         return repeat
     if event.state not in DELIVERY_TRANSITIONS[current.state]:
         return Rejected(
             f"illegal delivery transition {current.state} -> {event.state} ({event.destination})"
+        )
+    redrive = starts_round
+    if redrive and not event.error:
+        return Rejected(
+            f"a redrive of {event.destination} needs a reason (who sends it again, and why)"
         )
     expected_attempt = (
         current.attempts + 1 if event.state is DeliveryState.SENT else current.attempts
@@ -471,6 +503,12 @@ def apply_delivery(
             else current.updated_at,  # max()
             state_entered_at=occurred_at,
             version=current.version + 1,
-            seen=_seen_with(current.seen, key, event.event_id),
+            # A redrive starts a new round: the steps of the round it ended cannot repeat.
+            seen=MappingProxyType({key: event.event_id})
+            if redrive
+            else _seen_with(current.seen, key, event.event_id),
+            redrives=current.redrives + 1 if redrive else current.redrives,
+            retired=current.retired.union(current.seen.values()) if redrive else current.retired,
+            round_started_at=occurred_at if redrive else current.round_started_at,
         )
     )

@@ -44,6 +44,14 @@ def event_id(now_ms: int, entropy: bytes) -> str:
     return f"ev_{ulid(now_ms, entropy)}"
 
 
+def derived_event_id(now_ms: int, *parts: str) -> str:
+    """An event id that is the same every time it is derived from the same parts: what a
+    processor uses for an event it may write again after a crash (the outbox's PENDINGs, a
+    redrive), so that the repeat is recognised as the same event. Never change this format."""
+    digest = hashlib.sha256("\x1f".join(parts).encode("utf-8")).digest()
+    return event_id(now_ms, digest[:10])
+
+
 def canonical_json(value: Any) -> bytes:
     """Deterministic JSON: sorted keys, no whitespace, UTF-8, no NaN or infinity."""
     return json.dumps(

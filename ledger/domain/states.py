@@ -45,19 +45,22 @@ EXECUTION_TRANSITIONS: Mapping[ExecutionState, frozenset[ExecutionState]] = Mapp
 EXECUTION_INITIAL: frozenset[ExecutionState] = frozenset({_X.INTENT_RECORDED})
 
 #: Where a delivery may go from each state. SENT -> PENDING schedules a retry of the *delivery*
-#: (never of the execution); ACKED is reachable only from SENT.
+#: (never of the execution); ACKED is reachable only from SENT. DEAD_LETTERED -> PENDING is a
+#: redrive: a person sends a given-up delivery again (an audited event with a reason).
 DELIVERY_TRANSITIONS: Mapping[DeliveryState, frozenset[DeliveryState]] = MappingProxyType(
     {
         _D.PENDING: frozenset({_D.SENT, _D.DEAD_LETTERED}),
         _D.SENT: frozenset({_D.ACKED, _D.PENDING, _D.DEAD_LETTERED}),
         _D.ACKED: frozenset(),
-        _D.DEAD_LETTERED: frozenset(),
+        _D.DEAD_LETTERED: frozenset({_D.PENDING}),
     }
 )
 DELIVERY_INITIAL: frozenset[DeliveryState] = frozenset({_D.PENDING})
 
 EXECUTION_TERMINAL = frozenset(s for s, nxt in EXECUTION_TRANSITIONS.items() if not nxt)
 DELIVERY_TERMINAL = frozenset(s for s, nxt in DELIVERY_TRANSITIONS.items() if not nxt)
+#: Delivery states no worker moves on from: ACKED for good, DEAD_LETTERED until a redrive.
+DELIVERY_FINISHED = frozenset({_D.ACKED, _D.DEAD_LETTERED})
 
 
 def execution_predecessors(state: ExecutionState) -> frozenset[ExecutionState]:

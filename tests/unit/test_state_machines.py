@@ -221,7 +221,16 @@ def test_delivery_pairs_follow_the_table(
     record = fold_delivery([delivery(s, a) for s, a in path])
     attempt = record.attempts + 1 if to is D.SENT else record.attempts
     outcome = apply_delivery(record, delivery(to, attempt), SUCCEEDED)
-    if to in DELIVERY_TRANSITIONS[record.state]:
+    if record.state is D.DEAD_LETTERED and to is D.PENDING:
+        # A redrive: only with a reason, and it opens a new round (attempts keep counting).
+        assert isinstance(outcome, Rejected) and "reason" in outcome.reason, outcome
+        redrive = delivery(to, attempt, error="redriven by alice: the endpoint is fixed")
+        outcome = apply_delivery(record, redrive, SUCCEEDED)
+        assert isinstance(outcome, Applied), outcome
+        assert outcome.record.redrives == record.redrives + 1
+        assert dict(outcome.record.seen) == {(D.PENDING, attempt): redrive.event_id}
+        assert isinstance(apply_delivery(outcome.record, redrive, SUCCEEDED), Duplicate)
+    elif to in DELIVERY_TRANSITIONS[record.state]:
         assert isinstance(outcome, Applied), outcome
         assert outcome.record.state is to
         assert outcome.record.attempts == attempt
@@ -245,19 +254,22 @@ def test_delivery_wrong_attempt_is_rejected(
         return
     outcome = apply_delivery(record, event, SUCCEEDED)
     assert isinstance(outcome, Rejected), outcome
-    assert (outcome.kind is RejectionKind.CONFLICT) == ((to, attempt) in record.seen)
+    redrive = record.state is D.DEAD_LETTERED and to is D.PENDING
+    assert (outcome.kind is RejectionKind.CONFLICT) == (
+        (to, attempt) in record.seen and not redrive
+    )
 
 
 def test_tables_are_total_and_terminals_are_as_documented() -> None:
     assert set(EXECUTION_TRANSITIONS) == set(X)
     assert set(DELIVERY_TRANSITIONS) == set(D)
     assert {X.SUCCEEDED, X.FAILED} == EXECUTION_TERMINAL
-    assert {D.ACKED, D.DEAD_LETTERED} == DELIVERY_TERMINAL
+    assert {D.ACKED} == DELIVERY_TERMINAL, "a dead letter can be redriven by a person"
     assert execution_predecessors(X.UNKNOWN) == {X.DISPATCHED}
     assert execution_predecessors(X.DISPATCHED) == {X.INTENT_RECORDED, X.UNKNOWN}
     assert execution_predecessors(X.INTENT_RECORDED) == frozenset()
     assert delivery_predecessors(D.ACKED) == {D.SENT}
-    assert delivery_predecessors(D.PENDING) == {D.SENT}
+    assert delivery_predecessors(D.PENDING) == {D.SENT, D.DEAD_LETTERED}  # retry, redrive
 
 
 # --- first events and identity ----------------------------------------------------------------
@@ -446,11 +458,18 @@ def record_summarises_history(
         e for e in history if isinstance(e, ExecutionTransitioned | DeliveryTransitioned)
     ]
     attempt = record.attempt if isinstance(record, ExecutionRecord) else record.attempts
+    # A delivery's seen steps are those of its current round: from its last redrive on.
+    rounds = [
+        i
+        for i, (a, b) in enumerate(pairwise(transitions), start=1)
+        if a.state is D.DEAD_LETTERED and b.state is D.PENDING
+    ]
+    this_round = transitions[rounds[-1] :] if rounds else transitions
     return (
         record.state is transitions[-1].state
         and attempt == transitions[-1].attempt
         and record.version == len(history)
-        and dict(record.seen) == {(e.state, e.attempt): e.event_id for e in transitions}
+        and dict(record.seen) == {(e.state, e.attempt): e.event_id for e in this_round}
         and record.created_at == transitions[0].occurred_at
         and record.state_entered_at == transitions[-1].occurred_at
     )
@@ -552,7 +571,11 @@ def delivery_streams(draw: st.DrawFn) -> list[DeliveryTransitioned]:
             event = draw(st.sampled_from(events))
         elif kind == "legal" and record is not None and DELIVERY_TRANSITIONS[record.state]:
             to = draw(st.sampled_from(sorted(DELIVERY_TRANSITIONS[record.state])))
-            event = delivery(to, record.attempts + 1 if to is D.SENT else record.attempts)
+            attempt = record.attempts + 1 if to is D.SENT else record.attempts
+            if record.state is D.DEAD_LETTERED:
+                event = delivery(to, attempt, error="redriven by the test")
+            else:
+                event = delivery(to, attempt)
         else:
             state = draw(st.sampled_from(D))
             attempt = draw(st.integers(1 if state is D.SENT else 0, 4))

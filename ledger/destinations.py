@@ -1,0 +1,244 @@
+"""The destinations registry: per tenant, where results of which tools are delivered.
+
+Events carry only a destination's *name*; this table says where it is (a webhook URL or a Kafka
+topic) and holds the webhook's signing secret, which must never travel in an event or a log
+line. A destination that answers 410 Gone is disabled here by the delivery worker; an operator
+enables it again with ``opledger destinations enable``.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ledger.pg import retrying
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+SECRET_RE = re.compile(r"^whsec_[A-Za-z0-9+/=]{16,}$")
+WILDCARD = "*"
+MAX_URL = 2048
+
+
+class DestinationError(ValueError):
+    """A destination's configuration is invalid; the message says which part."""
+
+
+class Kind(StrEnum):
+    WEBHOOK = "webhook"
+    QUEUE = "queue"
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    tenant_id: str
+    name: str
+    kind: Kind
+    target: str
+    tools: tuple[str, ...]
+    timeout_ms: int
+    enabled: bool
+    disabled_reason: str | None
+    updated_at: datetime | None = None
+    changed_by: str | None = None
+    #: the webhook signing secret; never printed (``repr`` hides it)
+    secret: str | None = field(default=None, repr=False)
+
+
+def new_secret() -> str:
+    """A fresh Standard Webhooks signing secret: ``whsec_`` + base64 of 24 random bytes."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode("ascii")
+
+
+def check_webhook_url(url: str) -> str:
+    """The URL if a delivery may be POSTed to it: http(s), a host, no credentials in it (they
+    would be logged and shown), no fragment."""
+    if len(url) > MAX_URL:
+        raise DestinationError(f"the URL is longer than {MAX_URL} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port that is not a number
+    except ValueError as exc:
+        raise DestinationError(f"not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise DestinationError("a webhook URL must be http:// or https://")
+    if not parts.hostname:
+        raise DestinationError("a webhook URL needs a host")
+    if parts.username is not None or parts.password is not None:
+        raise DestinationError(
+            "a webhook URL must not carry credentials; deliveries are signed with the "
+            "destination's whsec_ secret instead"
+        )
+    if parts.fragment:
+        raise DestinationError("a webhook URL has no use for a #fragment")
+    del port
+    return url
+
+
+def check(
+    *, name: str, kind: Kind, target: str, tools: Sequence[str], secret: str | None, timeout_ms: int
+) -> None:
+    """Raise DestinationError unless this is a valid destination."""
+    if not NAME_RE.match(name):
+        raise DestinationError(
+            f"destination name {name!r}: 1-64 of a-z 0-9 . _ -, starting with a letter or digit "
+            "(it is a metric label and part of every delivery's webhook-id)"
+        )
+    if kind is Kind.WEBHOOK:
+        check_webhook_url(target)
+        if secret is None or not SECRET_RE.match(secret):
+            raise DestinationError("a webhook destination needs a whsec_ signing secret")
+    else:
+        if not TOPIC_RE.match(target):
+            raise DestinationError(f"not a Kafka topic name: {target!r}")
+        if secret is not None:
+            raise DestinationError("a queue destination has no signing secret")
+    if not tools or any(not t or len(t) > 128 for t in tools):
+        raise DestinationError("name at least one tool (or '*' for every tool)")
+    if not 100 <= timeout_ms <= 120_000:
+        raise DestinationError("the request timeout must be between 100 ms and 120 s")
+
+
+_COLUMNS = (
+    "tenant_id, name, kind, target, tools, timeout_ms, enabled, disabled_reason, updated_at, "
+    "changed_by, secret"
+)
+
+
+def _destination(row: Sequence[Any]) -> Destination:
+    tenant, name, kind, target, tools, timeout, enabled, reason, updated, changed_by, secret = row
+    return Destination(
+        tenant_id=tenant,
+        name=name,
+        kind=Kind(kind),
+        target=target,
+        tools=tuple(tools),
+        timeout_ms=timeout,
+        enabled=enabled,
+        disabled_reason=reason,
+        updated_at=updated,
+        changed_by=changed_by,
+        secret=secret,
+    )
+
+
+class DestinationStore:
+    """Reads and changes the registry over a psycopg pool (every read is tenant-scoped)."""
+
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
+        self._pool = pool
+
+    def add(
+        self,
+        *,
+        tenant_id: str,
+        name: str,
+        kind: Kind,
+        target: str,
+        tools: Sequence[str],
+        changed_by: str,
+        secret: str | None = None,
+        timeout_ms: int = 10_000,
+    ) -> Destination:
+        """Create or replace ``name`` for ``tenant_id`` (a webhook without a secret gets a new
+        one, returned in the result and nowhere else)."""
+        if kind is Kind.WEBHOOK and secret is None:
+            secret = new_secret()
+        check(
+            name=name, kind=kind, target=target, tools=tools, secret=secret, timeout_ms=timeout_ms
+        )
+
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            return conn.execute(
+                f"""INSERT INTO delivery_destinations
+                      (tenant_id, name, kind, target, secret, tools, timeout_ms, changed_by)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
+                   ON CONFLICT (tenant_id, name) DO UPDATE SET
+                      kind = EXCLUDED.kind, target = EXCLUDED.target, secret = EXCLUDED.secret,
+                      tools = EXCLUDED.tools, timeout_ms = EXCLUDED.timeout_ms, enabled = true,
+                      disabled_reason = NULL, updated_at = now(),
+                      changed_by = EXCLUDED.changed_by
+                   RETURNING {_COLUMNS}""",
+                (tenant_id, name, kind.value, target, secret, list(tools), timeout_ms, changed_by),
+            ).fetchone()
+
+        return _destination(retrying(self._pool, "store a destination", work))
+
+    def set_enabled(
+        self, tenant_id: str, name: str, *, enabled: bool, changed_by: str, reason: str | None
+    ) -> bool:
+        """Enable or disable one destination; False if the tenant has no such destination."""
+
+        def work(conn: psycopg.Connection[Any]) -> int:
+            return conn.execute(
+                """UPDATE delivery_destinations
+                      SET enabled = %s, disabled_reason = %s, updated_at = now(), changed_by = %s
+                    WHERE tenant_id = %s AND name = %s""",
+                (enabled, None if enabled else reason, changed_by, tenant_id, name),
+            ).rowcount
+
+        return retrying(self._pool, "change a destination", work) > 0
+
+    def list(self, tenant_id: str) -> list[Destination]:
+        """The tenant's destinations, secrets left out."""
+
+        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(
+                f"SELECT {_COLUMNS} FROM delivery_destinations WHERE tenant_id = %s ORDER BY name",
+                (tenant_id,),
+            ).fetchall()
+
+        rows = retrying(self._pool, "list destinations", work)
+        return [_destination((*row[:-1], None)) for row in rows]
+
+    def get_many(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Destination]:
+        """``(tenant_id, name)`` -> destination (with its secret), for those that exist."""
+        wanted = sorted(set(keys))
+        if not wanted:
+            return {}
+
+        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(
+                f"""SELECT {_COLUMNS} FROM delivery_destinations
+                     WHERE (tenant_id, name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))""",
+                ([k[0] for k in wanted], [k[1] for k in wanted]),
+            ).fetchall()
+
+        found = (_destination(row) for row in retrying(self._pool, "read destinations", work))
+        return {(d.tenant_id, d.name): d for d in found}
+
+    def configured(
+        self, subjects: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], tuple[str, ...]]:
+        """``(tenant_id, tool_name)`` -> the names of the destinations its results go to
+        (enabled or not: a disabled destination's deliveries are dead-lettered with the reason,
+        not silently skipped)."""
+        wanted = sorted(set(subjects))
+        if not wanted:
+            return {}
+
+        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(
+                """SELECT s.tenant_id, s.tool_name, d.name
+                     FROM unnest(%s::text[], %s::text[]) AS s(tenant_id, tool_name)
+                     JOIN delivery_destinations d
+                       ON d.tenant_id = s.tenant_id
+                      AND (s.tool_name = ANY(d.tools) OR '*' = ANY(d.tools))
+                    ORDER BY d.name""",
+                ([s[0] for s in wanted], [s[1] for s in wanted]),
+            ).fetchall()
+
+        names: dict[tuple[str, str], list[str]] = {s: [] for s in wanted}
+        for tenant, tool, name in retrying(self._pool, "read configured destinations", work):
+            names[(tenant, tool)].append(name)
+        return {k: tuple(v) for k, v in names.items()}

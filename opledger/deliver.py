@@ -1,0 +1,339 @@
+"""Delivery from the command line:
+
+- ``opledger deliver run``: the delivery worker (any number: one consumer group, scaled on the
+  execution topic's partitions);
+- ``opledger destinations add|list|enable|disable``: where a tenant's results go;
+- ``opledger deliveries redrive``: send dead-lettered deliveries again, an audited event each
+  (who, why), idempotent: two redrives of one dead letter send it once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import os
+import socket
+import sys
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from ledger import faults
+from ledger.settings import Settings
+
+if TYPE_CHECKING:
+    from processors.delivery.worker import DeliveryWorker
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+#: The most dead letters one ``redrive --since`` sends again.
+REDRIVE_LIMIT = 10_000
+
+
+def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
+    """The faust app, the worker, and what to close afterwards; wired, not started."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.metrics import Metrics  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.policy_store import PolicyStore  # noqa: PLC0415
+    from ledger.results import ResultStore  # noqa: PLC0415
+    from ledger.transport import KafkaTransport  # noqa: PLC0415
+    from processors.app import create_app  # noqa: PLC0415
+    from processors.delivery.senders import WebhookSender  # noqa: PLC0415
+    from processors.delivery.worker import DeliveryWorker  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    metrics = Metrics.create(registry)
+    pool = open_pool(settings.dsn, name="opledger-delivery", max_size=8)
+    transport = KafkaTransport(settings)
+    history = HistoryReader(settings, pool, client_id="opledger-delivery-history")
+    webhooks = WebhookSender(concurrency=settings.delivery_concurrency, metrics=metrics)
+    worker = DeliveryWorker(
+        settings,
+        pool=pool,
+        transport=transport,
+        history=history,
+        results=ResultStore(pool),
+        destinations=DestinationStore(pool),
+        # Policy as it is now, at every send: no cache.
+        policy=PolicyStore(pool).evaluate_many,
+        webhooks=webhooks,
+        metrics=metrics,
+    )
+    app = create_app(
+        settings,
+        worker,
+        registry,
+        name="delivery",
+        web_port=settings.delivery_web_port,
+        instance_id=f"{socket.gethostname()}-{os.getpid()}",
+    )
+    return app, worker, [webhooks, history, transport, pool]
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger deliver run``: deliver results until SIGTERM/SIGINT."""
+    import faust  # noqa: PLC0415
+
+    from ledger.secrets import RedactingFilter  # noqa: PLC0415
+    from ledger.topics import ensure_topics  # noqa: PLC0415
+    from opledger import db  # noqa: PLC0415
+
+    faults.arm(settings.fault_points)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    ensure_topics(settings)
+    db.migrate(settings.dsn)
+    app, _worker, owned = build(settings)
+    try:
+        worker = faust.Worker(app, loglevel=settings.log_level.lower(), quiet=True)
+        worker.execute_from_commandline()
+    finally:
+        for item in owned:
+            item.close()
+    return EXIT_OK
+
+
+# -- destinations ------------------------------------------------------------------------------
+
+
+def _by(args: argparse.Namespace) -> str:
+    return args.by or f"cli:{getpass.getuser()}"
+
+
+def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations add``."""
+    from ledger.destinations import DestinationError, DestinationStore, Kind  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+    from opledger import db  # noqa: PLC0415
+
+    kind = Kind.WEBHOOK if args.url else Kind.QUEUE
+    secret = None
+    if args.secret_env:
+        secret = os.environ.get(args.secret_env)
+        if not secret:
+            print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
+            return EXIT_USAGE
+    db.migrate(settings.dsn)
+    with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
+        try:
+            added = DestinationStore(pool).add(
+                tenant_id=args.tenant,
+                name=args.name,
+                kind=kind,
+                target=args.url or args.topic,
+                tools=args.tool,
+                changed_by=_by(args),
+                secret=secret,
+                timeout_ms=args.timeout_ms,
+            )
+        except DestinationError as exc:
+            print(f"destination refused: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    print(f"{added.tenant_id}/{added.name}: {added.kind.value} -> {added.target}")
+    if kind is Kind.WEBHOOK and secret is None:
+        # Shown once, to whoever configures the receiver; never logged, never in an event.
+        print(f"signing secret (configure the receiver with it): {added.secret}")
+    return EXIT_OK
+
+
+def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations list --tenant T``."""
+    from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+
+    with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
+        found = DestinationStore(pool).list(args.tenant)
+    if not found:
+        print(f"tenant {args.tenant} has no destinations")
+    for d in found:
+        state = "enabled" if d.enabled else f"DISABLED ({d.disabled_reason or 'by an operator'})"
+        print(
+            f"{d.name}\t{d.kind.value}\t{d.target}\ttools={','.join(d.tools)}\t"
+            f"timeout={d.timeout_ms}ms\t{state}\tchanged by {d.changed_by}"
+        )
+    return EXIT_OK
+
+
+def destinations_enable(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations enable|disable``."""
+    from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+
+    enabled = args.action == "enable"
+    with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
+        changed = DestinationStore(pool).set_enabled(
+            args.tenant, args.name, enabled=enabled, changed_by=_by(args), reason=args.reason
+        )
+    if not changed:
+        print(f"tenant {args.tenant} has no destination {args.name}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.tenant}/{args.name}: {'enabled' if enabled else 'disabled'}")
+    return EXIT_OK
+
+
+# -- redrive -----------------------------------------------------------------------------------
+
+_DEAD_SINCE_SQL = """
+SELECT operation_id, destination FROM deliveries
+ WHERE tenant_id = %(tenant)s AND state = 'DEAD_LETTERED' AND state_entered_at >= %(since)s
+   AND (%(destination)s::text IS NULL OR destination = %(destination)s)
+ ORDER BY state_entered_at LIMIT %(limit)s
+"""
+
+
+def redrive(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger deliveries redrive (OP --destination D | --since T)``."""
+    import psycopg  # noqa: PLC0415
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from ledger.codec import default_codec  # noqa: PLC0415
+    from ledger.domain.delivery import redrive as redrive_event  # noqa: PLC0415
+    from ledger.domain.states import DeliveryState  # noqa: PLC0415
+    from ledger.errors import RecordError  # noqa: PLC0415
+    from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.pg import SESSION_OPTIONS, open_pool  # noqa: PLC0415
+    from ledger.transport import KafkaTransport, OutgoingRecord  # noqa: PLC0415
+
+    if (args.operation_id is None) == (args.since is None):
+        print("name one operation (OP --destination D) or a period (--since T)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.operation_id is not None and args.destination is None:
+        print("--destination: which destination of the operation to send again", file=sys.stderr)
+        return EXIT_USAGE
+    if args.operation_id is not None:
+        wanted = [(args.operation_id, args.destination)]
+    else:
+        try:
+            since = datetime.fromisoformat(args.since)
+        except ValueError:
+            print(f"--since: not an ISO 8601 time: {args.since!r}", file=sys.stderr)
+            return EXIT_USAGE
+        if since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)
+        with psycopg.connect(settings.dsn, options=SESSION_OPTIONS) as conn:
+            rows = conn.execute(
+                _DEAD_SINCE_SQL,
+                {
+                    "tenant": args.tenant,
+                    "since": since,
+                    "destination": args.destination,
+                    "limit": REDRIVE_LIMIT,
+                },
+            ).fetchall()
+        wanted = [(r[0], r[1]) for r in rows]
+    actor = _by(args)
+    codec = default_codec()
+    sent, skipped = 0, 0
+    with open_pool(settings.dsn, name="opledger-redrive", max_size=2) as pool:
+        history = HistoryReader(settings, pool, client_id="opledger-redrive")
+        transport = KafkaTransport(settings)
+        try:
+            snapshots = history.load({(op, args.tenant) for op, _d in wanted})
+            records = []
+            now = datetime.now(UTC)
+            for op_id, destination in wanted:
+                record = snapshots[op_id].deliveries.get(destination)
+                if record is None:
+                    print(f"{op_id} {destination}: no such delivery for tenant {args.tenant}")
+                    skipped += 1
+                    continue
+                if record.state is not DeliveryState.DEAD_LETTERED:
+                    print(f"{op_id} {destination}: {record.state.value}, not dead-lettered")
+                    skipped += 1
+                    continue
+                try:
+                    event = redrive_event(record, actor_id=actor, reason=args.reason, now=now)
+                except (ValueError, ValidationError) as exc:
+                    print(f"refused: {exc}", file=sys.stderr)
+                    return EXIT_USAGE
+                records.append(
+                    OutgoingRecord(
+                        settings.delivery_topic,
+                        op_id.encode("ascii"),
+                        codec.encode(event),
+                        [("opledger-schema", b"DeliveryTransitioned")],
+                    )
+                )
+                print(f"{op_id} {destination}: redriven ({event.event_id})")
+            if records:
+                transport.send(records)
+            sent = len(records)
+        except RecordError as exc:
+            print(f"not redriven: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            history.close()
+            transport.close()
+    print(f"{sent} redriven, {skipped} skipped")
+    return EXIT_OK
+
+
+def register(commands: Any) -> None:
+    """``opledger deliver run``, ``opledger destinations ...``, ``opledger deliveries ...``."""
+    parser = commands.add_parser(
+        "deliver", help="the delivery worker: outbox, signed webhooks and queues, retries"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("run", help="deliver results until stopped (SIGTERM/SIGINT)").set_defaults(
+        handler="opledger.deliver:run"
+    )
+
+    parser = commands.add_parser(
+        "destinations", help="where a tenant's results are delivered (webhooks, queues)"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add = actions.add_parser("add", help="add (or replace) a destination")
+    add.add_argument("--tenant", required=True, help="tenant id")
+    add.add_argument("--name", required=True, help="its name: what events and metrics show")
+    where = add.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a webhook: results are POSTed here, signed")
+    where.add_argument("--topic", help="a queue: results are appended to this Kafka topic")
+    add.add_argument(
+        "--tool",
+        action="append",
+        required=True,
+        metavar="TOOL|*",
+        help="whose results go there (repeat for several; '*' for every tool)",
+    )
+    add.add_argument(
+        "--secret-env",
+        metavar="VAR",
+        help="read the whsec_ signing secret from this environment variable (default: a new "
+        "one is made and printed once)",
+    )
+    add.add_argument("--timeout-ms", type=int, default=10_000, help="request timeout")
+    add.add_argument("--by", metavar="NAME", help="who makes the change (default: cli:<login>)")
+    add.set_defaults(handler="opledger.deliver:destinations_add")
+    listing = actions.add_parser("list", help="a tenant's destinations (secrets never shown)")
+    listing.add_argument("--tenant", required=True, help="tenant id")
+    listing.set_defaults(handler="opledger.deliver:destinations_list")
+    for name in ("enable", "disable"):
+        change = actions.add_parser(name, help=f"{name} a destination")
+        change.add_argument("--tenant", required=True, help="tenant id")
+        change.add_argument("--name", required=True, help="the destination")
+        change.add_argument("--reason", default=None, help="why (kept with the destination)")
+        change.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+        change.set_defaults(handler="opledger.deliver:destinations_enable")
+
+    parser = commands.add_parser("deliveries", help="dead-lettered deliveries: send them again")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    again = actions.add_parser(
+        "redrive",
+        help="send dead-lettered deliveries again (one, or all since a time); recorded with who "
+        "and why; a second redrive of the same dead letter changes nothing",
+    )
+    again.add_argument("operation_id", nargs="?", metavar="OP_ID")
+    again.add_argument("--tenant", required=True, help="tenant id the deliveries belong to")
+    again.add_argument("--destination", help="the destination (with OP_ID: required)")
+    again.add_argument("--since", metavar="TIME", help="every dead letter since this ISO time")
+    again.add_argument("--reason", required=True, help="why (recorded; no secrets)")
+    again.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+    again.set_defaults(handler="opledger.deliver:redrive")
