@@ -1,32 +1,52 @@
 """One tool call through the SDK, side by side with DBOS 3.4, in one run.
 
-Not a test. Needs the local stack. One *call* is what a worker records around a tool call:
-``intent`` -> ``dispatched`` -> ``succeeded`` with a small JSON result, through the public
-``TransitionRecorder`` API; each step returns only after the broker's ack, and the result is
-committed to PostgreSQL before ``succeeded`` is sent. The baseline is DBOS 3.4 with its defaults:
-one workflow with one step returning the same payload per call, on the same PostgreSQL server
-(its own fresh database). Both are timed by the same ``callbench`` code in three modes:
-sequential, N threads sharing one recorder (one DBOS instance), N asyncio tasks.
+Not a test. Needs the local stack. One *call* is what a worker records around a tool call,
+measured along three paths of the public API:
+
+- ``recorder``: ``intent`` -> ``dispatched`` -> ``succeeded`` with a small JSON result on a
+  ``TransitionRecorder`` without a lease store; each step returns only after the broker's ack,
+  and the result is committed to PostgreSQL before ``succeeded`` is sent;
+- ``lease``: the same with ownership as ``execute()`` takes it: the lease (token 1) and the
+  request stored in one commit before the intent, and the lease checked in the database just
+  before the (here absent) provider call;
+- ``execute``: ``recorder.execute()`` with an in-process tool that answers at once: the lease,
+  the policy check (a real grant, projected), dispatch, the call, the result, the outcome.
+
+Each path also runs on the ``AsyncTransitionRecorder`` in the asyncio-tasks mode: the same calls
+awaited (the lease check run off the loop, as ``execute`` runs it), and ``await
+recorder.execute()`` with an asyncio tool (``async def call``) that answers at once.
+
+The baseline is DBOS 3.4 with its defaults: one workflow with one step returning the same
+payload per call, on the same PostgreSQL server (its own fresh database). Both are timed by the
+same ``callbench`` code in three modes: sequential, N threads sharing one recorder (one DBOS
+instance), N asyncio tasks sharing one asyncio recorder. The sequential modes of the paths take
+turns, ``--rounds`` times, and report the median round: the load of a shared machine drifts
+during a run.
 
 DBOS cannot be installed next to faust (croniter: DBOS needs >=6.2.4, mode-streaming <6), so the
 baseline runs in its own virtualenv, ``$OPLEDGER_HOME/bench/venv-dbos-3.4.0``, created on first
 use, by ``dbos_calls.py``.
 
     .venv/bin/python bench/bench_sdk_calls.py [--sequential 300] [--concurrent 3000]
-        [--callers 16] [--warmup 100] [--timeout 120] [--skip-dbos] [--skip-linger]
+        [--callers 16] [--warmup 100] [--timeout 120] [--rounds 3]
+        [--paths recorder,lease,execute] [--skip-dbos] [--skip-linger] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
+import cProfile
+import io
 import itertools
 import json
+import pstats
+import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -38,9 +58,15 @@ from psycopg.conninfo import conninfo_to_dict
 
 import producers
 from benchenv import create_database, drop_database, isolated
+from benchprojection import grant
 from callbench import AsyncCall, Call, Summary, mode_names, run_tasks, run_threads, tool_result
+from ledger.domain.states import ExecutionState
+from ledger.leases import LeaseStore, process_identity
+from ledger.pg import open_pool
 from ledger.settings import Settings
+from ledger.tools import CallOutcome, LookupResult, LookupStatus, ProviderTerms
 from producers import KafkaTransport, ResultStore, TransitionRecorder, producer_config
+from producers.execution import LEASE_MARGIN
 
 DBOS_VERSION = "3.4.0"
 # Same PostgreSQL driver as ours, so the drivers are not what differs.
@@ -49,6 +75,14 @@ DBOS_SCRIPT = Path(__file__).resolve().parent / "dbos_calls.py"
 TENANT, ACTOR, TOOL = "acme", "agent-7", "send_email"
 GOAL_RATIO = 20.0
 GOAL_SEQUENTIAL_P50_MS = 3.0
+GOAL_LEASE_P50_MS = 1.0
+TERMS = ProviderTerms(
+    call_timeout=timedelta(seconds=5), key_retention=timedelta(days=1), repeat_safe=True
+)
+#: The lease ``execute`` takes for this tool.
+LEASE_TTL = TERMS.call_timeout + LEASE_MARGIN
+#: path name -> label, in the order they run and print.
+PATHS = {"recorder": "recorder, no lease", "lease": "recorder + lease", "execute": "execute()"}
 
 # Looked up, not imported: an SDK without the asyncio recorder still runs the other rows, and
 # its asyncio row says so.
@@ -59,7 +93,59 @@ LINGERS_MS = (5, 0)
 # -- opledger ---------------------------------------------------------------------------------
 
 
-def sync_call(recorder: TransitionRecorder, numbers: Iterator[int]) -> Call:
+class InstantTool:
+    """A ``ledger.tools.Provider`` in this process that succeeds at once: the tool's own time
+    is zero, so ``execute`` shows only what the ledger costs."""
+
+    tool_name = TOOL
+    terms = TERMS
+
+    def call(self, request: Any, idempotency_key: str) -> CallOutcome:
+        result = b'{"status": "sent", "message_id": "%s"}' % idempotency_key.encode()
+        return CallOutcome(True, result=result, content_type="application/json")
+
+    def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult:
+        return LookupResult(LookupStatus.NOT_FOUND)
+
+
+class AsyncInstantTool:
+    """:class:`InstantTool` as a ``ledger.tools.AsyncProvider``: awaited on the event loop."""
+
+    tool_name = TOOL
+    terms = TERMS
+
+    def __init__(self) -> None:
+        self._answers = InstantTool()
+
+    async def call(self, request: Any, idempotency_key: str) -> CallOutcome:
+        return self._answers.call(request, idempotency_key)
+
+    async def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult:
+        return self._answers.lookup(idempotency_key, provider_ref)
+
+
+def plain_recorder(
+    settings: Settings, extra_config: dict[str, Any] | None = None, kind: Any = TransitionRecorder
+) -> Any:
+    """A recorder (``kind``) with a producer and a result store, and no lease store."""
+    transport = KafkaTransport(settings, extra_config=extra_config)
+    results = ResultStore.connect(settings.dsn)
+    return kind(settings, transport, results=results, owns=[transport, results])
+
+
+def leased_recorder(settings: Settings, kind: Any = TransitionRecorder) -> tuple[Any, LeaseStore]:
+    """A recorder (``kind``) with a result store and a lease store on one pool, as ``connect``
+    builds."""
+    transport = KafkaTransport(settings)
+    pool = open_pool(settings.dsn, name="opledger-sdk")
+    leases = LeaseStore(pool, process_identity("bench"))
+    recorder = kind(
+        settings, transport, results=ResultStore(pool), leases=leases, owns=[transport, pool]
+    )
+    return recorder, leases
+
+
+def recorder_call(recorder: TransitionRecorder, numbers: Iterator[int]) -> Call:
     def call() -> None:
         number = next(numbers)
         op = recorder.intent(TENANT, ACTOR, TOOL, {"to": f"user{number}@example.com"})
@@ -69,25 +155,87 @@ def sync_call(recorder: TransitionRecorder, numbers: Iterator[int]) -> Call:
     return call
 
 
-def async_call(recorder: Any, numbers: Iterator[int]) -> AsyncCall:
+def leased_call(recorder: TransitionRecorder, leases: LeaseStore, numbers: Iterator[int]) -> Call:
+    """What ``execute`` does around the provider call, without policy and provider."""
+
+    def call() -> None:
+        number = next(numbers)
+        args = {"to": f"user{number}@example.com"}
+        op = recorder.intent(TENANT, ACTOR, TOOL, args, lease_ttl=LEASE_TTL)
+        recorder.dispatched(op, provider_ref=op.operation_id)
+        if op.lease is None or not leases.holds(op.lease):
+            raise RuntimeError(f"{op.operation_id}: lease lost before the call")
+        recorder.succeeded(op, tool_result(number), content_type="application/json")
+
+    return call
+
+
+def execute_call(recorder: TransitionRecorder, numbers: Iterator[int]) -> Call:
+    def call() -> None:
+        number = next(numbers)
+        done = recorder.execute(TENANT, ACTOR, TOOL, {"to": f"user{number}@example.com"})
+        if done.state is not ExecutionState.SUCCEEDED:
+            raise RuntimeError(f"execute ended {done.state}: {done.error}")
+
+    return call
+
+
+def async_call(
+    recorder: Any, numbers: Iterator[int], leases: LeaseStore | None = None
+) -> AsyncCall:
+    """The recorder path awaited; with ``leases``, the lease path (its database check before the
+    absent provider call runs on a thread, as ``execute`` runs it, never on the loop)."""
+
     async def call() -> None:
         number = next(numbers)
-        op = await recorder.intent(TENANT, ACTOR, TOOL, {"to": f"user{number}@example.com"})
+        args = {"to": f"user{number}@example.com"}
+        lease_ttl = None if leases is None else LEASE_TTL
+        op = await recorder.intent(TENANT, ACTOR, TOOL, args, lease_ttl=lease_ttl)
         await recorder.dispatched(op, provider_ref=op.operation_id)
+        if leases is not None and not (
+            op.lease is not None and await asyncio.to_thread(leases.holds, op.lease)
+        ):
+            raise RuntimeError(f"{op.operation_id}: lease lost before the call")
         await recorder.succeeded(op, tool_result(number), content_type="application/json")
 
     return call
 
 
-def recorder_with_linger(settings: Settings, linger_ms: int) -> TransitionRecorder:
-    """What ``connect`` builds, with the producer's ``linger.ms`` overridden."""
-    transport = KafkaTransport(settings, extra_config={"linger.ms": linger_ms})
-    results = ResultStore.connect(settings.dsn)
-    return TransitionRecorder(settings, transport, results=results, owns=[transport, results])
+def async_execute_call(recorder: Any, numbers: Iterator[int]) -> AsyncCall:
+    async def call() -> None:
+        number = next(numbers)
+        done = await recorder.execute(TENANT, ACTOR, TOOL, {"to": f"user{number}@example.com"})
+        if done.state is not ExecutionState.SUCCEEDED:
+            raise RuntimeError(f"execute ended {done.state}: {done.error}")
+
+    return call
 
 
-def timed_threads(
-    recorder: TransitionRecorder,
+def closing(recorder: Any, mode: str, timed: Callable[[], Summary]) -> Summary:
+    try:
+        return timed()
+    finally:
+        try:
+            recorder.close()
+        except Exception as exc:
+            print(f"opledger {mode}: close() raised {type(exc).__name__}: {exc}")
+
+
+def threaded_path(path: str, settings: Settings, numbers: Iterator[int]) -> tuple[Any, Call]:
+    """A fresh threaded recorder for ``path`` and the call that path times."""
+    if path == "recorder":
+        recorder = plain_recorder(settings)
+        return recorder, recorder_call(recorder, numbers)
+    if path == "lease":
+        recorder, leases = leased_recorder(settings)
+        return recorder, leased_call(recorder, leases, numbers)
+    recorder = TransitionRecorder.connect(settings, providers=[InstantTool()])
+    return recorder, execute_call(recorder, numbers)
+
+
+def sync_mode(
+    path: str,
+    settings: Settings,
     numbers: Iterator[int],
     mode: str,
     args: argparse.Namespace,
@@ -95,35 +243,36 @@ def timed_threads(
     calls: int,
     callers: int,
 ) -> Summary:
-    try:
-        summary = run_threads(
-            mode,
-            sync_call(recorder, numbers),
-            calls=calls,
-            callers=callers,
-            warmup=args.warmup,
-            timeout_s=args.timeout,
-        )
-    finally:
-        try:
-            recorder.close()
-        except Exception as exc:
-            print(f"opledger {mode}: close() raised {type(exc).__name__}: {exc}")
-    return summary
+    """One mode of one path on a fresh recorder (a mode that breaks one cannot taint the next)."""
+    recorder, call = threaded_path(path, settings, numbers)
+    return closing(
+        recorder,
+        mode,
+        lambda: run_threads(
+            mode, call, calls=calls, callers=callers, warmup=args.warmup, timeout_s=args.timeout
+        ),
+    )
 
 
 async def timed_tasks(
-    settings: Settings, numbers: Iterator[int], mode: str, args: argparse.Namespace
+    path: str, settings: Settings, numbers: Iterator[int], mode: str, args: argparse.Namespace
 ) -> Summary:
+    """One path's asyncio-tasks mode on a fresh asyncio recorder."""
     if AsyncTransitionRecorder is None:
         return Summary.unavailable(mode, "not available in this SDK version")
-    recorder = AsyncTransitionRecorder.connect(settings)
-    if inspect.isawaitable(recorder):  # connect() was planned as a coroutine
-        recorder = await recorder
+    if path == "recorder":
+        recorder = plain_recorder(settings, kind=AsyncTransitionRecorder)
+        call = async_call(recorder, numbers)
+    elif path == "lease":
+        recorder, leases = leased_recorder(settings, kind=AsyncTransitionRecorder)
+        call = async_call(recorder, numbers, leases)
+    else:
+        recorder = AsyncTransitionRecorder.connect(settings, providers=[AsyncInstantTool()])
+        call = async_execute_call(recorder, numbers)
     try:
         return await run_tasks(
             mode,
-            async_call(recorder, numbers),
+            call,
             calls=args.concurrent,
             callers=args.callers,
             warmup=args.warmup,
@@ -133,51 +282,121 @@ async def timed_tasks(
         await recorder.close()
 
 
+def linger_mode(
+    settings: Settings, numbers: Iterator[int], linger_ms: int, args: argparse.Namespace
+) -> Summary:
+    """The recorder path's sequential mode with the producer's ``linger.ms`` set explicitly."""
+    recorder = plain_recorder(settings, {"linger.ms": linger_ms})
+    mode = f"sequential, linger.ms={linger_ms}"
+    call = recorder_call(recorder, numbers)
+    return closing(
+        recorder,
+        mode,
+        lambda: run_threads(
+            mode, call, calls=args.sequential, callers=1, warmup=args.warmup, timeout_s=args.timeout
+        ),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class OpledgerRun:
-    modes: list[Summary]  # sequential, threads, asyncio tasks (mode_names order)
-    by_linger: list[tuple[int, Summary]]  # sequential, per explicit linger.ms
+    #: path -> its summaries in mode_names order (sequential, threads, asyncio tasks)
+    paths: dict[str, list[Summary]]
+    by_linger: list[tuple[int, Summary]]  # recorder path, sequential, per explicit linger.ms
     floors: tuple[Summary, Summary]  # raw produce -> ack, raw PostgreSQL commit
 
 
+def combined(rounds: list[Summary]) -> Summary:
+    """One sequential row from several rounds: the median round's p50 and p99, calls/s over
+    the rounds' summed time, failures summed."""
+    if len(rounds) == 1:
+        return rounds[0]
+    p50s = [s.p50_ms for s in rounds if s.p50_ms is not None]
+    p99s = [s.p99_ms for s in rounds if s.p99_ms is not None]
+    first = rounds[0]
+    ok = sum(s.ok for s in rounds)
+    elapsed = sum(s.elapsed_s for s in rounds)
+    errors = [s.first_error for s in rounds if s.first_error]
+    return Summary(
+        mode=first.mode,
+        calls=sum(s.calls for s in rounds),
+        ok=ok,
+        failures=sum(s.failures for s in rounds),
+        first_error=errors[0] if errors else None,
+        p50_ms=statistics.median(p50s) if p50s else None,
+        p99_ms=statistics.median(p99s) if p99s else None,
+        calls_per_s=ok / elapsed if ok and elapsed > 0 else None,
+        elapsed_s=elapsed,
+        note=f"median of {len(rounds)} rounds: p50 " + ", ".join(f"{v:.2f}" for v in p50s),
+    )
+
+
 def run_opledger(settings: Settings, args: argparse.Namespace) -> OpledgerRun:
-    """The raw floors, the three modes, each on a fresh recorder (a mode that breaks one cannot
-    taint the next), then the sequential mode once per ``linger.ms`` of ``LINGERS_MS``."""
+    """The grant ``execute`` needs, the raw floors, then each path's three modes, then the
+    recorder path's sequential mode once per ``linger.ms`` of ``LINGERS_MS``."""
+    if "execute" in args.paths:
+        # First: the projector that folds it must not meet the floors' probe records.
+        grant(settings, TENANT, ACTOR, TOOL, repeat_safe=False)
     floors = measure_floors(settings, args)
     numbers = itertools.count()  # one sequence for the run: every result payload differs
     sequential, threaded, tasks = mode_names(args.callers)
-    modes = [
-        timed_threads(
-            TransitionRecorder.connect(settings),
-            numbers,
-            sequential,
-            args,
-            calls=args.sequential,
-            callers=1,
-        ),
-        timed_threads(
-            TransitionRecorder.connect(settings),
-            numbers,
-            threaded,
-            args,
-            calls=args.concurrent,
-            callers=args.callers,
-        ),
-        asyncio.run(timed_tasks(settings, numbers, tasks, args)),
-    ]
+    # The sequential modes take turns, path after path, --rounds times: on a shared machine
+    # the load drifts, and "what the lease adds" is a difference of two sequential medians.
+    rounds: dict[str, list[Summary]] = {path: [] for path in args.paths}
+    for number in range(args.rounds):
+        print(f"opledger sequential, round {number + 1} of {args.rounds}...", flush=True)
+        for path in args.paths:
+            rounds[path].append(
+                sync_mode(
+                    path, settings, numbers, sequential, args, calls=args.sequential, callers=1
+                )
+            )
+    paths: dict[str, list[Summary]] = {}
+    for path in args.paths:
+        print(f"opledger {PATHS[path]}, {threaded}...", flush=True)
+        modes = [
+            combined(rounds[path]),
+            sync_mode(
+                path,
+                settings,
+                numbers,
+                threaded,
+                args,
+                calls=args.concurrent,
+                callers=args.callers,
+            ),
+        ]
+        print(f"opledger {PATHS[path]}, {tasks}...", flush=True)
+        modes.append(asyncio.run(timed_tasks(path, settings, numbers, tasks, args)))
+        paths[path] = modes
     by_linger = []
     if not args.skip_linger:
         for linger_ms in LINGERS_MS:
-            summary = timed_threads(
-                recorder_with_linger(settings, linger_ms),
-                numbers,
-                f"sequential, linger.ms={linger_ms}",
-                args,
-                calls=args.sequential,
-                callers=1,
-            )
-            by_linger.append((linger_ms, summary))
-    return OpledgerRun(modes, by_linger, floors)
+            by_linger.append((linger_ms, linger_mode(settings, numbers, linger_ms, args)))
+    return OpledgerRun(paths, by_linger, floors)
+
+
+def profile_paths(settings: Settings, args: argparse.Namespace, top: int = 25) -> None:
+    """Each path's sequential mode once more under cProfile; the top functions by internal and
+    by cumulative time (the figures include cProfile's own overhead)."""
+    numbers = itertools.count(10_000_000)
+    for path in args.paths:
+        recorder, call = threaded_path(path, settings, numbers)
+        try:
+            for _ in range(args.warmup):
+                call()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.sequential):
+                call()
+            profiler.disable()
+        finally:
+            recorder.close()
+        for order in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(top)
+            print(f"\n== {PATHS[path]}, sequential, {args.sequential} calls, by {order} ==")
+            print(out.getvalue())
 
 
 def measure_floors(settings: Settings, args: argparse.Namespace) -> tuple[Summary, Summary]:
@@ -309,42 +528,71 @@ def _ratio(ours: Summary, theirs: Summary | None) -> float | None:
 def print_report(
     ours: OpledgerRun, theirs: list[Summary] | None, dbos_label: str, callers: int
 ) -> None:
-    mine_modes = ours.modes
-    width = max(len(s.mode) for s in mine_modes)
+    rows = [(PATHS[p], s) for p, modes in ours.paths.items() for s in modes]
+    width = max(len(label) + 2 + len(s.mode) for label, s in rows)
     print()
     print(f"{'':<{width}} | {'opledger SDK':<26} | {dbos_label:<26} | ratio")
     header = f"{'p50 ms':>7} {'p99 ms':>8} {'calls/s':>9}"
-    print(f"{'mode':<{width}} | {header} | {header} | opledger/DBOS calls/s")
+    print(f"{'path, mode':<{width}} | {header} | {header} | opledger/DBOS calls/s")
     print("-" * (width + 82))
-    for index, mine in enumerate(mine_modes):
-        other = theirs[index] if theirs else None
-        ratio = _ratio(mine, other)
-        shown = f"{ratio:.2f}" if ratio is not None else "-"
-        print(f"{mine.mode:<{width}} | {_figures(mine)} | {_figures(other)} | {shown}")
+    for path, modes in ours.paths.items():
+        for index, mine in enumerate(modes):
+            other = theirs[index] if theirs else None
+            ratio = _ratio(mine, other)
+            shown = f"{ratio:.2f}" if ratio is not None else "-"
+            name = f"{PATHS[path]}, {mine.mode}"
+            print(f"{name:<{width}} | {_figures(mine)} | {_figures(other)} | {shown}")
     extra = [s for _, s in ours.by_linger] + list(ours.floors)
-    for side, summaries in (("opledger", mine_modes + extra), ("DBOS", theirs or [])):
+    mine_all = [s for modes in ours.paths.values() for s in modes]
+    for side, summaries in (("opledger", mine_all + extra), ("DBOS", theirs or [])):
         for s in summaries:
             if s.failures:
                 print(
                     f"  {side} {s.mode}: {s.failures:,} of {s.calls:,} calls failed"
                     f"{'; ' + s.note if s.note else ''}; first error: {s.first_error}"
                 )
+    for path, modes in ours.paths.items():
+        if modes[0].ok and modes[0].note:
+            print(f"  {PATHS[path]}, {modes[0].mode}: {modes[0].note}")
     print()
-    verdicts = []
-    for index, mine in enumerate(mine_modes[1:], start=1):
-        ratio = _ratio(mine, theirs[index] if theirs else None)
-        if ratio is None:
-            verdicts.append(f"{mine.mode}: not measured")
-        else:
-            met = ratio >= GOAL_RATIO and not mine.failures
-            verdicts.append(f"{mine.mode}: {ratio:.2f}x ({'met' if met else 'missed'})")
-    print(f"goal >= {GOAL_RATIO:g}x DBOS calls/s with {callers} callers: {'; '.join(verdicts)}")
-    sequential = mine_modes[0]
-    verdict = "not measured"
-    if sequential.p50_ms is not None:
-        met = sequential.p50_ms <= GOAL_SEQUENTIAL_P50_MS and not sequential.failures
-        verdict = f"{sequential.p50_ms:.2f} ms ({'met' if met else 'missed'})"
-    print(f"goal sequential p50 <= {GOAL_SEQUENTIAL_P50_MS:g} ms: {verdict}")
+    plain, leased = ours.paths.get("recorder"), ours.paths.get("lease")
+    if plain and leased:
+        added = []
+        for a, b in zip(plain[:2], leased[:2], strict=True):
+            if a.p50_ms is None or b.p50_ms is None:
+                added.append(f"{a.mode}: not measured")
+            else:
+                added.append(f"{a.mode} {b.p50_ms - a.p50_ms:+.2f} ms")
+        seq_a, seq_b = plain[0].p50_ms, leased[0].p50_ms
+        verdict = ""
+        if seq_a is not None and seq_b is not None:
+            met = seq_b - seq_a <= GOAL_LEASE_P50_MS
+            verdict = (
+                f" (goal <= {GOAL_LEASE_P50_MS:g} ms, sequential: {'met' if met else 'missed'})"
+            )
+        print(
+            f"what the lease adds per call at p50 (lease - recorder): {'; '.join(added)}{verdict}"
+        )
+    for path, modes in ours.paths.items():
+        verdicts = []
+        for index, mine in enumerate(modes[1:], start=1):
+            ratio = _ratio(mine, theirs[index] if theirs else None)
+            if ratio is None:
+                verdicts.append(f"{mine.mode}: not measured")
+            else:
+                met = ratio >= GOAL_RATIO and not mine.failures
+                verdicts.append(f"{mine.mode}: {ratio:.2f}x ({'met' if met else 'missed'})")
+        print(
+            f"goal >= {GOAL_RATIO:g}x DBOS calls/s with {callers} callers, {PATHS[path]}: "
+            f"{'; '.join(verdicts)}"
+        )
+    for path, modes in ours.paths.items():
+        sequential = modes[0]
+        verdict = "not measured"
+        if sequential.p50_ms is not None:
+            met = sequential.p50_ms <= GOAL_SEQUENTIAL_P50_MS and not sequential.failures
+            verdict = f"{sequential.p50_ms:.2f} ms ({'met' if met else 'missed'})"
+        print(f"goal sequential p50 <= {GOAL_SEQUENTIAL_P50_MS:g} ms, {PATHS[path]}: {verdict}")
     ack, commit = ours.floors
     if ack.p50_ms is not None and commit.p50_ms is not None:
         print(
@@ -357,7 +605,15 @@ def print_report(
         figures = ", ".join(
             f"linger.ms={ms}: p50 {_ms(s.p50_ms)} / p99 {_ms(s.p99_ms)}" for ms, s in ours.by_linger
         )
-        print(f"sequential by producer linger.ms (SDK default {default:g}): {figures}")
+        print(f"recorder sequential by producer linger.ms (SDK default {default:g}): {figures}")
+
+
+def _paths(raw: str) -> list[str]:
+    chosen = [p.strip() for p in raw.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PATHS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"paths are a comma list of {', '.join(PATHS)}")
+    return [p for p in PATHS if p in chosen]
 
 
 def main() -> None:
@@ -367,8 +623,17 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=16, help="threads / asyncio tasks")
     parser.add_argument("--warmup", type=int, default=100, help="untimed calls before each mode")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per mode")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="sequential runs per path, taking turns"
+    )
+    parser.add_argument(
+        "--paths", type=_paths, default=list(PATHS), help="comma list: recorder,lease,execute"
+    )
     parser.add_argument("--skip-dbos", action="store_true", help="opledger side only")
     parser.add_argument("--skip-linger", action="store_true", help="no linger.ms comparison")
+    parser.add_argument(
+        "--profile", action="store_true", help="then each path's sequential mode under cProfile"
+    )
     parser.add_argument("--dbos-python", help="a Python with dbos installed (default: own venv)")
     args = parser.parse_args()
 
@@ -377,10 +642,12 @@ def main() -> None:
         print(
             f"topics {env.settings.topic_prefix}.*  calls: {args.sequential} sequential, "
             f"{args.concurrent} per concurrent mode, {args.callers} callers, "
-            f"{args.warmup} warm-up calls per mode",
+            f"{args.warmup} warm-up calls per mode; paths {', '.join(args.paths)}",
             flush=True,
         )
         ours = run_opledger(env.settings, args)
+        if args.profile:
+            profile_paths(env.settings, args)
     theirs = None
     dbos_label = "DBOS (skipped)"
     if not args.skip_dbos:

@@ -13,7 +13,8 @@ replaced instead of poisoning every later call (``ledger.pg.retrying``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -53,6 +54,22 @@ _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 def _check_tenant(tenant_id: str) -> None:
     if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
         raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResult:
+    content_type: str
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedResult:
+    """A payload checked for storing, with its content-addressed ref (``ResultStore.prepare``)."""
+
+    tenant_id: str
+    result_ref: str
+    content_type: str
+    payload: bytes
 
 
 class ResultStore:
@@ -101,6 +118,33 @@ class ResultStore:
         Storing the same bytes again is a no-op returning the same ref, which is also why a put
         interrupted by a dropped connection is simply tried again on a fresh one.
         """
+        result = self.prepare(tenant_id, payload, content_type)
+
+        def insert(conn: psycopg.Connection[Any]) -> None:
+            # Autocommit: the statement is its own transaction, committed (on disk, with
+            # synchronous_commit on) when execute returns.
+            conn.execute(
+                """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
+                   VALUES (%s, %s, %s, %s, %s)
+                   ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
+                (
+                    result.result_ref,
+                    result.tenant_id,
+                    result.content_type,
+                    result.payload,
+                    len(result.payload),
+                ),
+            )
+
+        self._retrying(f"store result {result.result_ref}", insert)
+        return result.result_ref
+
+    @staticmethod
+    def prepare(
+        tenant_id: str, payload: bytes, content_type: str = "application/octet-stream"
+    ) -> PreparedResult:
+        """``payload`` checked as :meth:`put` checks it, with its ``result_ref``: what
+        :meth:`put_many` stores. Raises ResultStoreError; nothing is stored here."""
         _check_tenant(tenant_id)
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise ResultStoreError(f"payload must be bytes, got {type(payload).__name__}")
@@ -112,20 +156,29 @@ class ResultStore:
             )
         if len(content_type) > 255 or not _CONTENT_TYPE.match(content_type):
             raise ResultStoreError(f"not a valid content type: {content_type!r}")
-        ref = content_ref(payload)
+        return PreparedResult(tenant_id, content_ref(payload), content_type, payload)
+
+    def put_many(self, results: Sequence[PreparedResult]) -> None:
+        """Store prepared results in one statement (one commit), durable when it returns; a
+        result already stored is a no-op, as with :meth:`put`."""
+        if not results:
+            return
 
         def insert(conn: psycopg.Connection[Any]) -> None:
-            # Autocommit: the statement is its own transaction, committed (on disk, with
-            # synchronous_commit on) when execute returns.
             conn.execute(
                 """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
-                   VALUES (%s, %s, %s, %s, %s)
+                   SELECT r, t, c, p, length(p)
+                     FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS x(r, t, c, p)
                    ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
-                (ref, tenant_id, content_type, payload, len(payload)),
+                (
+                    [x.result_ref for x in results],
+                    [x.tenant_id for x in results],
+                    [x.content_type for x in results],
+                    [x.payload for x in results],
+                ),
             )
 
-        self._retrying(f"store result {ref}", insert)
-        return ref
+        self._retrying(f"store {len(results)} results", insert)
 
     def get(self, tenant_id: str, result_ref: str) -> bytes | None:
         """The payload stored under ``result_ref`` *for this tenant*; None if there is none."""
@@ -141,6 +194,28 @@ class ResultStore:
             return None if row is None else bytes(row[0])
 
         return self._retrying(f"read result {result_ref}", select)
+
+    def get_many(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], StoredResult]:
+        """``(tenant_id, result_ref)`` -> the stored result, for those found; one round trip.
+        Each result is read only for its own tenant."""
+        wanted = sorted(set(keys))
+        for tenant_id, result_ref in wanted:
+            _check_tenant(tenant_id)
+            if not SHA256_REF_RE.match(result_ref):
+                raise ResultStoreError(f"not a result ref: {result_ref!r}")
+        if not wanted:
+            return {}
+
+        def select(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(
+                """SELECT r.tenant_id, r.result_ref, r.content_type, r.payload
+                     FROM unnest(%s::text[], %s::text[]) AS k(tenant_id, result_ref)
+                     JOIN results r USING (tenant_id, result_ref)""",
+                ([k[0] for k in wanted], [k[1] for k in wanted]),
+            ).fetchall()
+
+        rows = self._retrying(f"read {len(wanted)} results", select)
+        return {(t, ref): StoredResult(ctype, bytes(payload)) for t, ref, ctype, payload in rows}
 
     def close(self) -> None:
         """Close the pool if this store opened it."""

@@ -10,9 +10,10 @@ proves nothing).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from ledger.domain.reconcile import LookupStatus
 
@@ -24,6 +25,7 @@ __all__ = [
     "LookupStatus",
     "Provider",
     "ProviderTerms",
+    "is_async",
 ]
 
 
@@ -94,7 +96,9 @@ class Provider(Protocol):
 
 @runtime_checkable
 class AsyncProvider(Protocol):
-    """:class:`Provider` for asyncio runtimes."""
+    """:class:`Provider` for asyncio runtimes: the same promises, awaited. The asyncio recorder
+    bounds each ``call`` by ``terms.call_timeout`` itself (an unanswered call is
+    :class:`ContactLost`)."""
 
     tool_name: str
     terms: ProviderTerms
@@ -102,3 +106,9 @@ class AsyncProvider(Protocol):
     async def call(self, request: Any, idempotency_key: str) -> CallOutcome: ...
 
     async def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult: ...
+
+
+def is_async(provider: Provider | AsyncProvider) -> TypeGuard[AsyncProvider]:
+    """Whether ``provider`` is an :class:`AsyncProvider` (its ``call`` is a coroutine function).
+    ``isinstance`` cannot tell: a runtime-checkable protocol checks only that the names exist."""
+    return inspect.iscoroutinefunction(provider.call)

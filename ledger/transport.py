@@ -72,7 +72,16 @@ class Transport(Protocol):
 class _Reports:
     """The delivery reports of one call's records, filled in by the poller thread."""
 
-    __slots__ = ("_callbacks", "_done", "_lock", "errors", "expected", "positions", "received")
+    __slots__ = (
+        "_callbacks",
+        "_done",
+        "_latch",
+        "_lock",
+        "errors",
+        "expected",
+        "positions",
+        "received",
+    )
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
@@ -80,7 +89,11 @@ class _Reports:
         self.errors: list[tuple[KafkaError, str]] = []
         #: (topic, partition, offset) of every record acknowledged
         self.positions: list[tuple[str, int, int]] = []
-        self._done = threading.Event()
+        self._done = False
+        # A bare lock as a one-shot latch: held until the last report is in. Waiting on it is
+        # one acquire; a threading.Event would build a Condition and a waiter lock per wait.
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
 
@@ -94,18 +107,24 @@ class _Reports:
             self.received += 1
             if self.received != self.expected:
                 return
-            self._done.set()
+            self._done = True
+            self._latch.release()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback()
 
     def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
+        if self._done:
+            return True
+        if not self._latch.acquire(timeout=timeout):
+            return False
+        self._latch.release()  # open for good: a later wait returns at once
+        return True
 
     def when_done(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` (in the poller thread) once every report is in, or now if they are."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback()

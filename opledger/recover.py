@@ -60,8 +60,9 @@ def build(settings: Settings, default_providers: str = "") -> tuple[Any, Recover
         leases=LeaseStore(pool, process_identity("recover")),
         history=history,
         results=ResultStore(pool),
-        # Reconciliation re-checks policy as it is now: no cache (seed rule 3).
-        policy=PolicyStore(pool).evaluate,
+        # Reconciliation re-checks policy as it is now (seed rule 3): read in each pass, once
+        # per subject, right before its decisions; never cached.
+        policy=PolicyStore(pool).evaluate_many,
         providers=load_providers(settings, default_providers),
         metrics=Metrics.create(registry),
     )

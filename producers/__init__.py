@@ -13,6 +13,11 @@ carry only their ``sha256:`` reference.
         recorder.dispatched(op, provider_ref="msg-123")
         recorder.succeeded(op, b'{"status": "sent"}', content_type="application/json")
         recorder.delivery_pending(op, "https://hooks.example.com/events")
+
+The everyday form runs the whole tool call, threaded or asyncio (``producers.execution``):
+
+    done = recorder.execute("tenant-1", "agent-7", "send_email", {"to": "a@example.com"})
+    done = await async_recorder.execute("tenant-1", "agent-7", "send_email", {"to": "a@..."})
 """
 
 from ledger.errors import (

@@ -1,9 +1,17 @@
 """The asyncio recorder, for agent runtimes built on asyncio.
 
-Same rules and same planning code as :class:`producers.recorder.TransitionRecorder`; only the
-waiting differs. An acknowledgement is awaited without blocking the event loop (the producer's
-report thread resolves a future), and the PostgreSQL write of a result payload runs on a small
-thread pool of its own, so a slow commit never stalls other tasks.
+Same rules and same planning code as :class:`producers.recorder.TransitionRecorder`, and the same
+``execute`` (``producers.execution``: the steps are written once, and this recorder awaits
+each); only the waiting differs. An acknowledgement is awaited without blocking the event loop
+(the producer's report thread resolves a future); the blocking PostgreSQL work (result payloads,
+the lease, the policy check, history reads) runs on a small thread pool of the recorder's own,
+and a synchronous provider's ``call`` on another, so neither a slow commit nor a slow tool stalls
+other tasks.
+
+    async with AsyncTransitionRecorder.connect(settings, providers=[email]) as recorder:
+        done = await recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
+        if done.state is ExecutionState.UNKNOWN:
+            ...  # contact was lost after dispatch: reconciled by the recovery worker, not retried
 
     async with AsyncTransitionRecorder.connect(settings) as recorder:
         op = await recorder.intent("acme", "agent-7", "send_email", {"to": "a@example.com"})
@@ -15,32 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
-from typing import Any, Self
+from typing import Any, Self, Unpack, cast
 
-from ledger.codec import Codec
 from ledger.domain.events import OperationEvent
 from ledger.domain.states import DeliveryState, ExecutionState
-from ledger.errors import DeliveryError, IllegalTransitionError, RecordError
-from ledger.faults import fault_point
-from ledger.metrics import Metrics
-from ledger.results import ResultStore
+from ledger.errors import IllegalTransitionError
 from ledger.settings import Settings
-from ledger.transport import DEFAULT_DELIVERY_TIMEOUT_S, KafkaTransport, Transport
+from ledger.tools import CallOutcome, ContactLost, Provider, is_async
+from ledger.transport import Transport
+from producers import execution
+from producers.execution import Execution
 from producers.operation import TrackedOperation, as_aware
-from producers.recorder import (
-    FIRST_TOKEN,
-    Clock,
-    Entropy,
-    Plan,
-    RecorderCore,
-    canonical_request,
-    clean_error,
-)
+from producers.recorder import Plan, RecorderCore, RecorderOptions, clean_error
+from producers.steps import Blocking, Call, Effect, Record, Send, Stepper, Steps, T
 
 
 class AsyncTransitionRecorder(RecorderCore):
@@ -49,53 +47,50 @@ class AsyncTransitionRecorder(RecorderCore):
     Tasks sharing one recorder each wait for their own acknowledgements; calls on one handle are
     serialised by the handle's asyncio lock. A handle is used by one kind of recorder: the
     threaded recorder's lock and this one's do not exclude each other.
+
+    Build it with ``connect(settings, providers=..., owner=..., tool_threads=32)``, as the
+    threaded one. Providers may be :class:`~ledger.tools.AsyncProvider` (awaited) or synchronous
+    :class:`~ledger.tools.Provider` (called on one of ``tool_threads`` threads, apart from the
+    ``store_threads`` that do the recorder's PostgreSQL work). Either way a call gets
+    ``terms.call_timeout``; past it the outcome is unknown (UNKNOWN, reconciled). A synchronous
+    call still waiting for a free thread when its timeout ends is never made: it is recorded
+    FAILED ("not called").
     """
+
+    awaits_providers = True
 
     def __init__(
         self,
         settings: Settings,
         transport: Transport,
         *,
-        results: ResultStore | None = None,
-        clock_ns: Clock = time.time_ns,
-        entropy: Entropy = os.urandom,
-        codec: Codec | None = None,
-        metrics: Metrics | None = None,
-        owns: Sequence[Transport | ResultStore] = (),
         store_threads: int = 16,
+        tool_threads: int = 32,
+        **options: Unpack[RecorderOptions],
     ) -> None:
-        super().__init__(settings, clock_ns=clock_ns, entropy=entropy, codec=codec, metrics=metrics)
-        self._transport = transport
-        self._results = results
-        self._owned = list(owns)
+        super().__init__(settings, transport, **options)
         self._store_pool = ThreadPoolExecutor(store_threads, thread_name_prefix="opledger-results")
+        # Apart from the store's threads: tools that hang must not hold up the ledger's writes.
+        self._tool_threads = tool_threads
+        self._tool_pool = ThreadPoolExecutor(tool_threads, thread_name_prefix="opledger-tools")
 
-    @classmethod
-    def connect(
-        cls,
-        settings: Settings,
+    async def execute(
+        self,
+        tenant_id: str,
+        actor_id: str,
+        tool_name: str,
+        arguments: Any,
         *,
-        with_results: bool = True,
-        delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
-        compression: str = "lz4",
-        metrics: Metrics | None = None,
-    ) -> Self:
-        """A recorder with its own Kafka producer and result store (see the threaded one).
-
-        Nothing here blocks for long: the producer connects in the background and the result
-        store's pool opens its connections on demand.
-        """
-        transport = KafkaTransport(
-            settings, delivery_timeout_s=delivery_timeout_s, compression=compression
+        operation_id: str | None = None,
+    ) -> Execution:
+        """See :meth:`TransitionRecorder.execute`: the same steps, fault points and result.
+        Lost contact (the provider's :class:`~ledger.tools.ContactLost`, any other exception from
+        the call, or no answer within the tool's call timeout) is UNKNOWN, returned."""
+        return await self._drive(
+            execution.execute(
+                self, tenant_id, actor_id, tool_name, arguments, operation_id=operation_id
+            )
         )
-        results = None
-        if with_results:
-            results = ResultStore.connect(settings.dsn)
-            results.migrate()
-        owned: list[Transport | ResultStore] = [transport]
-        if results is not None:
-            owned.append(results)
-        return cls(settings, transport, results=results, metrics=metrics, owns=owned)
 
     async def intent(
         self,
@@ -107,32 +102,13 @@ class AsyncTransitionRecorder(RecorderCore):
         *,
         lease_ttl: timedelta | None = None,
     ) -> TrackedOperation:
-        """See :meth:`TransitionRecorder.intent`."""
-        handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
-        request, request_hash = canonical_request(tool_name, arguments)
-        event = self._intent_event(
-            handle.operation_id,
-            tenant_id=tenant_id,
-            actor_id=actor_id,
-            tool_name=tool_name,
-            request_hash=request_hash,
-            lease_token=None if self._leases is None else FIRST_TOKEN,
-        )
-        if self._leases is not None:
-            leases = self._leases
-            handle.lease = await asyncio.get_running_loop().run_in_executor(
-                self._store_pool,
-                lambda: leases.create(
-                    handle.operation_id,
-                    tenant_id,
-                    self._lease_ttl if lease_ttl is None else lease_ttl,
-                    tool_name=tool_name,
-                    request_hash=request_hash,
-                    request=request,
-                ),
+        """See :meth:`TransitionRecorder.intent` (the lease and request are stored first, off
+        the event loop)."""
+        return await self._drive(
+            self._intent_steps(
+                tenant_id, actor_id, tool_name, arguments, operation_id, lease_ttl=lease_ttl
             )
-        await self._run([handle], lambda: self._plan_events(handle, [event]))
-        return handle
+        )
 
     async def dispatched(
         self,
@@ -284,12 +260,14 @@ class AsyncTransitionRecorder(RecorderCore):
         return await self._run([handle], lambda: self._plan_resend(handle))
 
     async def close(self) -> None:
-        """Flush queued records and close what this recorder opened."""
+        """Flush queued records and close what this recorder opened. A tool call still running
+        on a thread (its caller gave up on it) is left to finish on its own."""
         owned, self._owned = self._owned, []
         loop = asyncio.get_running_loop()
         for item in owned:
             await loop.run_in_executor(self._store_pool, item.close)
         self._store_pool.shutdown(wait=False)
+        self._tool_pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> Self:
         return self
@@ -297,45 +275,55 @@ class AsyncTransitionRecorder(RecorderCore):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _drive(self, steps: Steps[T]) -> T:
+        return await Stepper(steps).run_async(self._perform)
+
+    async def _perform(self, effect: Effect) -> Any:
+        """Do what a step asks for without blocking the event loop (see ``producers.steps``)."""
+        loop = asyncio.get_running_loop()
+        if isinstance(effect, Record):
+            return await self._run([effect.handle], effect.planner)
+        if isinstance(effect, Send):
+            send_async = getattr(self._transport, "send_async", None)
+            if send_async is not None:
+                return await send_async(effect.records)
+            records = effect.records
+            return await loop.run_in_executor(self._store_pool, self._transport.send, records)
+        if isinstance(effect, Blocking):
+            return await loop.run_in_executor(self._store_pool, effect.work)
+        if isinstance(effect, Call):
+            return await self._call(effect)
+        await asyncio.sleep(effect.seconds)
+        return None
+
+    async def _call(self, call: Call) -> CallOutcome:
+        provider = call.provider
+        seconds = provider.terms.call_timeout.total_seconds()
+        gave_up = ContactLost(f"{provider.tool_name}: no answer within {seconds:g}s")
+        if is_async(provider):
+            try:
+                return await asyncio.wait_for(provider.call(call.request, call.key), seconds)
+            except TimeoutError:
+                raise gave_up from None
+        blocking = cast(Provider, provider).call  # not an AsyncProvider, as checked above
+        queued = self._tool_pool.submit(blocking, call.request, call.key)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(queued), seconds)
+        except TimeoutError:
+            if queued.cancel():
+                # It never left the queue (every tool thread stayed busy), and now never will:
+                # the call provably did not happen, which is a confirmed failure.
+                return CallOutcome(
+                    False,
+                    error=f"{provider.tool_name}: not called: all {self._tool_threads} tool "
+                    f"threads stayed busy for the call timeout ({seconds:g}s)",
+                )
+            raise gave_up from None
+
     async def _run(
         self, handles: Iterable[TrackedOperation], planner: Callable[[], Plan | None]
     ) -> bool:
         async with contextlib.AsyncExitStack() as stack:
             for handle in sorted(handles, key=lambda h: h.operation_id):
                 await stack.enter_async_context(handle.async_lock)
-            plan = planner()
-            if plan is None:
-                return False
-            loop = asyncio.get_running_loop()
-            if plan.payload is not None:
-                if self._results is None:
-                    raise RecordError(
-                        "succeeded(bytes) needs a result store: connect with with_results=True "
-                        "or pass results=; nothing was sent"
-                    )
-                await loop.run_in_executor(self._store_pool, self._results.put, *plan.payload)
-                fault_point("producer.after_result_write_before_record")
-            records = plan.records
-            started = time.monotonic()
-            try:
-                send_async = getattr(self._transport, "send_async", None)
-                if send_async is not None:
-                    await send_async(records)
-                else:
-                    await loop.run_in_executor(self._store_pool, self._transport.send, records)
-            except RecordError as exc:
-                raise self._doubt(plan, exc) from None
-            except Exception as exc:  # the client itself failed: the outcome is unknown
-                raise self._doubt(
-                    plan, DeliveryError(f"the Kafka client failed while appending: {exc!r}")
-                ) from exc
-            except BaseException:
-                # Interrupted (a cancelled task, Ctrl-C) with records in flight: whether they
-                # landed is unknown, so the handles must not be used as if they had not.
-                self._doubt(
-                    plan, DeliveryError("interrupted while waiting for the acknowledgement")
-                )
-                raise
-            self._settle(plan)
-            self._observe(records, time.monotonic() - started)
-            return True
+            return await self._drive(self._append_steps(planner))

@@ -4,23 +4,30 @@ calls that let a process load an operation and carry it on under a new lease.
     with TransitionRecorder.connect(settings, providers=[email]) as recorder:
         done = recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
 
+    async with AsyncTransitionRecorder.connect(settings, providers=[email]) as recorder:
+        done = await recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
+
 ``execute`` records the intent (taking the lease and storing the request first), checks policy,
 records the dispatch, checks the lease is still this process's, calls the provider with the
 operation id as idempotency key, stores the result and records the outcome. Lost contact (a
 timeout, a reset) becomes UNKNOWN - an answer, not an exception the caller might retry - and the
 lease is released so the recovery worker reconciles it at once. An append whose acknowledgement
-is lost is resent (the identical event) a few times before the error is raised.
+is lost is resent (the identical event) a few times before the error is raised. An
+``operation_id`` the caller passes again is never called again: the second ``execute`` reports
+what the log holds for it (``Execution.repeat``).
+
+The decisions are written once, as steps (``producers.steps``) that both recorders run: the
+threaded one in the calling thread, the asyncio one without blocking its event loop.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ledger.domain import ids
 from ledger.domain.events import ExecutionTransitioned, OwnershipTaken, ReconciliationDecided
@@ -28,6 +35,7 @@ from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
 from ledger.errors import (
+    ConflictError,
     DeliveryError,
     IllegalTransitionError,
     InvalidTransitionError,
@@ -36,14 +44,14 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.faults import fault_point
-from ledger.tools import ContactLost, Provider
+from ledger.tools import AsyncProvider, CallOutcome, ContactLost, Provider
 from producers.operation import OperationState, TrackedOperation
+from producers.steps import Blocking, Call, Pause, Record, Steps
 
 if TYPE_CHECKING:
-    from producers.recorder import TransitionRecorder  # the functions here are its methods
+    from producers.recorder import Plan, RecorderCore, TransitionRecorder
 
 log = logging.getLogger("opledger.execute")
-T = TypeVar("T")
 
 #: Added to a tool's call timeout for the lease of an ``execute``: recording the outcome after
 #: the call must fit in the lease too.
@@ -70,47 +78,61 @@ class Execution:
     refused: bool = False
     #: the policy decision at dispatch, with its version (the grant's event id)
     policy: PolicyDecision | None = None
+    #: an earlier ``execute`` with this operation id began it: nothing was called or recorded
+    #: now, and this is the operation as the log holds it (an unfinished one is the recovery
+    #: worker's to carry on)
+    repeat: bool = False
 
 
-def resending(recorder: TransitionRecorder, step: Callable[[], T], handle: TrackedOperation) -> T:
+def recorded(
+    core: RecorderCore, handle: TrackedOperation, planner: Callable[[], Plan | None]
+) -> Steps[None]:
     """Take one recording step; if its acknowledgement is lost, resend the identical event a few
     times (a repeat that did land is a recognised duplicate)."""
     try:
-        return step()
+        yield Record(handle, planner)
+        return
     except DeliveryError as exc:
         failure = exc
     for attempt in range(RESENDS):
         log.info("acknowledgement lost (%s); resending the same event, try %d", failure, attempt)
-        time.sleep(0.2 * (attempt + 1))
+        yield Pause(0.2 * (attempt + 1))
         try:
-            recorder.resend(handle)
+            yield Record(handle, lambda: core._plan_resend(handle))
         except DeliveryError as exc:
             failure = exc
             continue
-        return True  # type: ignore[return-value]  # every step but intent returns True when done
+        return
     raise failure
 
 
 def execute(
-    recorder: TransitionRecorder,
+    core: RecorderCore,
     tenant_id: str,
     actor_id: str,
     tool_name: str,
     arguments: Any,
     *,
     operation_id: str | None = None,
-) -> Execution:
+) -> Steps[Execution]:
     """Run one tool call through the ledger; see the module docstring."""
-    provider = _provider(recorder, tool_name)
-    ttl = provider.terms.call_timeout + LEASE_MARGIN
-    op_id = operation_id or recorder.new_operation_id()
-    try:
-        handle = recorder.intent(tenant_id, actor_id, tool_name, arguments, op_id, lease_ttl=ttl)
-    except DeliveryError as exc:
-        handle = exc.handle
-        resending(recorder, lambda: recorder.resend(handle), handle)
-    fault_point("execute.after_intent_before_dispatch")
-    return _dispatch_and_call(recorder, handle, provider, arguments)
+    provider = _provider(core, tool_name)
+    op_id = operation_id or core.new_operation_id()
+    with core._executing(op_id):
+        if operation_id is not None:  # the caller's own id: an earlier call may have begun it
+            earlier = yield from _begun(core, op_id, tenant_id, tool_name, arguments)
+            if earlier is not None:
+                return earlier
+        ttl = provider.terms.call_timeout + LEASE_MARGIN
+        try:
+            handle = yield from core._intent_steps(
+                tenant_id, actor_id, tool_name, arguments, op_id, lease_ttl=ttl
+            )
+        except DeliveryError as exc:
+            handle = exc.handle
+            yield from recorded(core, handle, lambda: core._plan_resend(handle))
+        fault_point("execute.after_intent_before_dispatch")
+        return (yield from _dispatch_and_call(core, handle, provider, arguments))
 
 
 def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
@@ -138,13 +160,13 @@ def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
             f"{handle.operation_id}: its request was never stored (recorded without a lease "
             "store), so it cannot be dispatched again here"
         )
-    return _dispatch_and_call(recorder, handle, provider, json.loads(body))
+    return recorder._drive(_dispatch_and_call(recorder, handle, provider, json.loads(body)))
 
 
 def load(recorder: TransitionRecorder, operation_id: str, tenant_id: str) -> TrackedOperation:
     """The operation as the log says it is now (projection + unprojected tail), read-only:
     the handle holds no lease. Another tenant's operation reads as unknown."""
-    snapshot = _require_history(recorder).load([(operation_id, tenant_id)])[operation_id]
+    snapshot = recorder._load_history([(operation_id, tenant_id)])[operation_id]
     if snapshot.execution is None:
         raise IllegalTransitionError(f"no operation {operation_id} for tenant {tenant_id}")
     return TrackedOperation(
@@ -167,8 +189,8 @@ def take_over(
     recorded first (OwnershipTaken); the history is then read up to that record, so nothing
     the previous owner still appends after it counts: it is fenced.
     """
-    leases, history = _require_leases(recorder), _require_history(recorder)
-    before = history.load([(operation_id, tenant_id)])[operation_id].execution
+    leases = _require_leases(recorder)
+    before = recorder._load_history([(operation_id, tenant_id)])[operation_id].execution
     if before is None:
         raise IllegalTransitionError(f"no operation {operation_id} for tenant {tenant_id}")
     if before.state in (ExecutionState.SUCCEEDED, ExecutionState.FAILED):
@@ -196,7 +218,7 @@ def take_over(
     )
     positions = recorder._transport.send([recorder._outgoing(claim)])
     upto = {(t, p): o + 1 for t, p, o in positions or ()}
-    snapshot = history.load([(operation_id, tenant_id)], upto=upto or None)[operation_id]
+    snapshot = recorder._load_history([(operation_id, tenant_id)], upto=upto or None)[operation_id]
     execution = snapshot.execution
     if execution is None or execution.lease_token != lease.token:
         raise LeaseLostError(
@@ -210,10 +232,10 @@ def take_over(
 # -- internals -------------------------------------------------------------------------------
 
 
-def _provider(recorder: TransitionRecorder, tool_name: str) -> Provider:
-    provider = recorder._providers.get(tool_name)
+def _provider(core: RecorderCore, tool_name: str) -> Provider | AsyncProvider:
+    provider = core._providers.get(tool_name)
     if provider is None:
-        known = ", ".join(sorted(recorder._providers)) or "none"
+        known = ", ".join(sorted(core._providers)) or "none"
         raise UnknownToolError(
             f"no provider registered for tool {tool_name!r} (registered: {known}); "
             "pass it to connect(providers=...). Nothing was recorded"
@@ -221,77 +243,118 @@ def _provider(recorder: TransitionRecorder, tool_name: str) -> Provider:
     return provider
 
 
+def _begun(
+    core: RecorderCore, operation_id: str, tenant_id: str, tool_name: str, arguments: Any
+) -> Steps[Execution | None]:
+    """The operation as the log holds it when an earlier call began ``operation_id`` (a caller
+    retrying with its own id), else None: its tool is never called a second time."""
+    leases = core._leases
+    if leases is None:
+        return None  # no lease store, no stored requests: nothing to recognise a repeat by
+    owner_tenant = yield Blocking(lambda: leases.tenant_of(operation_id))
+    if owner_tenant is None:
+        return None
+    if owner_tenant != tenant_id:
+        raise IllegalTransitionError(
+            f"operation id {operation_id} is already in use; choose another. Nothing was recorded"
+        )
+    snapshots = yield Blocking(lambda: core._load_history([(operation_id, tenant_id)]))
+    snapshot = snapshots[operation_id]
+    execution = snapshot.execution
+    if execution is None:
+        return None  # its intent never reached the log (the earlier call failed first)
+    if execution.request_hash != core._request_hash(tool_name, arguments):
+        raise ConflictError(
+            f"{operation_id} was begun with another tool or other arguments; nothing was recorded"
+        )
+    handle = TrackedOperation(OperationState(operation_id, execution, dict(snapshot.deliveries)))
+    result: bytes | None = None
+    results, ref = core._results, execution.result_ref
+    if execution.state is ExecutionState.SUCCEEDED and ref is not None and results is not None:
+        result = yield Blocking(lambda: results.get(tenant_id, ref))
+    error = execution.error
+    if execution.state not in (ExecutionState.SUCCEEDED, ExecutionState.FAILED):
+        error = (
+            f"begun by an earlier call and not called again; it is {execution.state} and the "
+            "recovery worker carries it on"
+        )
+    return _report(handle, result=result, error=error, repeat=True)
+
+
 def _dispatch_and_call(
-    recorder: TransitionRecorder,
+    core: RecorderCore,
     handle: TrackedOperation,
-    provider: Provider,
+    provider: Provider | AsyncProvider,
     arguments: Any,
-) -> Execution:
+) -> Steps[Execution]:
     execution = handle.require_execution()
-    decision = _check_policy(recorder, execution.tenant_id, execution.actor_id, provider)
+    decision = yield from _check_policy(core, execution.tenant_id, execution.actor_id, provider)
     if not decision.allowed:
         reason = f"refused by policy {decision.version or '(no grant)'}: {decision.reason}"
-        resending(recorder, lambda: recorder.failed(handle, reason), handle)
+        yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=reason))
         return _report(handle, error=reason, refused=True, policy=decision)
     key = ids.idempotency_key(handle.operation_id)
-    resending(recorder, lambda: recorder.dispatched(handle, provider_ref=key), handle)
+    yield from recorded(
+        core, handle, core._step(handle, ExecutionState.DISPATCHED, provider_ref=key)
+    )
     # The last moment to find out that someone else owns the operation now: past this
     # point the provider is called.
-    leases = recorder._leases
-    if handle.lease is not None and leases is not None and not leases.holds(handle.lease):
-        raise LeaseLostError(
-            f"{handle.operation_id}: the lease was taken over before the call; "
-            "the provider was not called"
-        )
+    leases, lease = core._leases, handle.lease
+    if lease is not None and leases is not None:
+        held = yield Blocking(lambda: leases.holds(lease))
+        if not held:
+            raise LeaseLostError(
+                f"{handle.operation_id}: the lease was taken over before the call; "
+                "the provider was not called"
+            )
     fault_point("execute.after_dispatch_before_call")
     try:
-        outcome = provider.call(arguments, key)
+        outcome: CallOutcome = yield Call(provider, arguments, key)
     except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
         # Never retried here: only reconciliation (a lookup by this key) may decide.
         lost: str | BaseException = (
             f"contact lost after dispatch: {exc}" if isinstance(exc, ContactLost) else exc
         )
-        resending(recorder, lambda: recorder.unknown(handle, lost), handle)
-        if handle.lease is not None and recorder._leases is not None:
+        yield from recorded(core, handle, core._step(handle, ExecutionState.UNKNOWN, error=lost))
+        if lease is not None and leases is not None:
             # Let the recovery worker reconcile it now rather than when the lease runs out.
-            recorder._leases.release([handle.lease])
+            yield Blocking(lambda: leases.release([lease]))
         return _report(handle, error=str(lost), policy=decision)
     fault_point("execute.after_response_before_result")
     if not outcome.succeeded:
         error = outcome.error or "the provider reported a failure"
-        resending(recorder, lambda: recorder.failed(handle, error), handle)
+        yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=error))
         return _report(handle, error=error, policy=decision)
     result = outcome.result if outcome.result is not None else b""
-    resending(
-        recorder,
-        lambda: recorder.succeeded(
-            handle,
-            result,
-            content_type=outcome.content_type,
-            provider_ref=outcome.provider_ref,
-        ),
+    succeeded = core._step(
         handle,
+        ExecutionState.SUCCEEDED,
+        result=result,
+        content_type=outcome.content_type,
+        provider_ref=outcome.provider_ref,
     )
+    yield from recorded(core, handle, succeeded)
     return _report(handle, result=result, policy=decision)
 
 
 def _check_policy(
-    recorder: TransitionRecorder, tenant_id: str, actor_id: str, provider: Provider
-) -> PolicyDecision:
-    if recorder._policy is None:
+    core: RecorderCore, tenant_id: str, actor_id: str, provider: Provider | AsyncProvider
+) -> Steps[PolicyDecision]:
+    policy = core._policy
+    if policy is None:
         # No policy store was configured (a recorder built by hand, in tests): say so in
         # the record rather than pretend a check happened.
         return PolicyDecision(True, "no policy store configured", None)
-    return recorder._policy(
-        PolicyRequest(
-            tenant_id=tenant_id,
-            actor_id=actor_id,
-            tool_name=provider.tool_name,
-            purpose=Purpose.DISPATCH,
-            now=datetime.now(UTC),
-            required_scope=provider.terms.required_scope,
-        )
+    request = PolicyRequest(
+        tenant_id=tenant_id,
+        actor_id=actor_id,
+        tool_name=provider.tool_name,
+        purpose=Purpose.DISPATCH,
+        now=datetime.now(UTC),
+        required_scope=provider.terms.required_scope,
     )
+    decision: PolicyDecision = yield Blocking(lambda: policy(request))
+    return decision
 
 
 def _report(
@@ -301,6 +364,7 @@ def _report(
     error: str | None = None,
     refused: bool = False,
     policy: PolicyDecision | None = None,
+    repeat: bool = False,
 ) -> Execution:
     execution = handle.require_execution()
     return Execution(
@@ -314,6 +378,7 @@ def _report(
         error=error,
         refused=refused,
         policy=policy,
+        repeat=repeat,
     )
 
 
@@ -321,12 +386,6 @@ def _require_leases(recorder: TransitionRecorder) -> Any:
     if recorder._leases is None:
         raise LeaseLostError("this recorder has no lease store (connect() gives it one)")
     return recorder._leases
-
-
-def _require_history(recorder: TransitionRecorder) -> Any:
-    if recorder._history is None:
-        raise RecordError("this recorder cannot read history (connect() gives it a reader)")
-    return recorder._history
 
 
 def cancel(

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -32,6 +33,7 @@ import aiohttp
 
 from ledger.domain.ids import canonical_json
 from ledger.tools import CallOutcome, ContactLost, LookupResult, LookupStatus, ProviderTerms
+from opledger.fakes.http_wire import Wires, readable
 from opledger.fakes.model import FakeProviderError, Mode, Stats, Step
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -97,6 +99,15 @@ def lookup_result(tool_name: str, status: int, payload: bytes) -> LookupResult:
     )
 
 
+#: What a pooled connection the server had closed looks like once a request is sent on it.
+_CLOSED_BY_SERVER = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    BrokenPipeError,
+    ConnectionAbortedError,
+)
+
+
 class _Endpoint:
     """Where one tool lives: host, port and the paths of its call and lookup."""
 
@@ -109,6 +120,8 @@ class _Endpoint:
         tool_path = f"{parts.path.rstrip('/')}/tools/{quote(tool_name, safe='')}"
         self.call_path = f"{tool_path}/call"
         self.lookup_path = f"{tool_path}/lookup"
+        #: the Host header: host and port, without any user information
+        self.netloc = parts.netloc.rpartition("@")[2]
         origin = f"http://{parts.netloc}"
         self.call_url = origin + self.call_path
         self.lookup_url = origin + self.lookup_path
@@ -119,37 +132,140 @@ class _Endpoint:
 
 
 class HttpToolProvider:
-    """:class:`ledger.tools.Provider` over HTTP, with the standard library; a new connection per
-    call, so a response lost on one connection cannot confuse the next call."""
+    """:class:`ledger.tools.Provider` over HTTP, with the standard library, on kept-alive
+    connections (thread-safe; each exchange has a connection to itself).
 
-    def __init__(self, base_url: str, tool_name: str, terms: ProviderTerms) -> None:
+    A connection goes back to the pool only after an exchange that read a whole answer: one that
+    failed or timed out is closed, so a response that comes late on it can never be read as the
+    next exchange's answer. A pooled connection idle longer than ``max_idle_s`` is closed
+    instead of reused (a server that drops idle connections sooner costs a lookup one resend,
+    and a call nothing, as follows).
+    A pooled connection is reused only while it is quiet: one the server closed, or that holds
+    bytes nobody asked for, is dropped. A call is sent once (should the server close the
+    connection at the very moment it is reused, the call ends as :class:`ContactLost`, never
+    as a second send); a lookup that meets such a connection is asked again on a new one.
+
+    :meth:`lookup_many` asks many keys at once from one thread (:mod:`opledger.fakes.http_wire`),
+    at most ``max_in_flight`` at a time, on connections of its own, kept alive the same way.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        tool_name: str,
+        terms: ProviderTerms,
+        *,
+        max_idle: int = 64,
+        max_idle_s: float = 2.0,
+        max_in_flight: int = 32,
+    ) -> None:
         self.tool_name = tool_name
         self.terms = terms
         self._endpoint = _Endpoint(base_url, tool_name)
+        self._wires = Wires(
+            self._endpoint.host, self._endpoint.port, max_idle=max_idle, max_idle_s=max_idle_s
+        )
+        self._max_in_flight = max_in_flight
+        self._max_idle = max_idle
+        self._max_idle_s = max_idle_s
+        self._lock = threading.Lock()
+        #: (connection, when it was put back): the last one put back is reused first
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._opened = 0
+
+    def close(self) -> None:
+        """Close the idle connections (those in use close when their exchange ends)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
+        self._wires.close()
+
+    @property
+    def connections_opened(self) -> int:
+        """Connections opened so far, by single exchanges and by :meth:`lookup_many`."""
+        return self._opened + self._wires.connections_opened
+
+    def _pooled(self) -> http.client.HTTPConnection | None:
+        """An idle connection young enough to reuse and still quiet (not closed by the server,
+        no bytes nobody asked for), else None; the others met on the way are closed."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                conn, idle_since = self._idle.pop()
+            if (
+                time.monotonic() - idle_since <= self._max_idle_s
+                and conn.sock is not None
+                and not readable(conn.sock)
+            ):
+                return conn
+            conn.close()
+
+    def _put_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self._max_idle:
+                self._idle.append((conn, time.monotonic()))
+                return
+        conn.close()
+
+    def _open(self, timeout: float) -> http.client.HTTPConnection:
+        with self._lock:
+            self._opened += 1
+        return http.client.HTTPConnection(self._endpoint.host, self._endpoint.port, timeout=timeout)
 
     def _exchange(
-        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        *,
+        resend_on_closed: bool,
     ) -> tuple[int, bytes]:
         timeout = self.terms.call_timeout.total_seconds()
         deadline = time.monotonic() + timeout
-        conn = http.client.HTTPConnection(self._endpoint.host, self._endpoint.port, timeout=timeout)
-        try:
-            conn.request(method, path, body=body, headers=dict(headers))
-            # http.client's timeout bounds each blocking step; the wait for the answer gets only
-            # what is left, so connect + send + wait stay within call_timeout.
-            if conn.sock is not None:
-                conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            response = conn.getresponse()
-            return response.status, response.read()
-        finally:
-            conn.close()
+        while True:
+            pooled = self._pooled()
+            conn = pooled or self._open(timeout)
+            try:
+                if pooled is not None and pooled.sock is not None:  # checked by _pooled
+                    # The socket keeps the wait its last exchange was given, at most what is
+                    # left now; it is set again (a syscall) only when far below it.
+                    left = deadline - time.monotonic()
+                    if (pooled.sock.gettimeout() or 0.0) < left / 2:
+                        pooled.sock.settimeout(left)
+                conn.request(method, path, body=body, headers=dict(headers))
+                # http.client's timeout bounds each blocking step; the wait for the answer gets
+                # only what is left, so connect + send + wait stay within call_timeout.
+                if conn.sock is not None:
+                    conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                response = conn.getresponse()
+                payload = response.read()
+            except BaseException as exc:
+                conn.close()
+                if (
+                    pooled is not None
+                    and resend_on_closed
+                    and isinstance(exc, _CLOSED_BY_SERVER)
+                    and time.monotonic() < deadline
+                ):
+                    continue  # the server closed it while it sat in the pool
+                raise
+            if response.will_close:
+                conn.close()
+            else:
+                self._put_back(conn)
+            return response.status, payload
 
     def call(self, request: Any, idempotency_key: str) -> CallOutcome:
         """See :class:`ledger.tools.Provider`; the table in this module's docstring."""
         body = canonical_json(request)  # a ValueError here is ours, and nothing has left yet
         headers = {IDEMPOTENCY_HEADER: idempotency_key, "Content-Type": "application/json"}
         try:
-            status, payload = self._exchange("POST", self._endpoint.call_path, body, headers)
+            status, payload = self._exchange(
+                "POST", self._endpoint.call_path, body, headers, resend_on_closed=False
+            )
         except (OSError, http.client.HTTPException) as exc:
             # OSError covers timeouts, resets and refusals. A refused connect means nothing left,
             # so a confirmed failure would be true too; ContactLost is safe either way: the
@@ -163,12 +279,45 @@ class HttpToolProvider:
         path = f"{self._endpoint.lookup_path}?"
         path += urlencode(self._endpoint.query(idempotency_key, provider_ref))
         try:
-            status, payload = self._exchange("GET", path, None, {})
+            # A lookup changes nothing: asking again on a new connection is always safe.
+            status, payload = self._exchange("GET", path, None, {}, resend_on_closed=True)
         except Exception as exc:  # "I cannot tell" is an answer, whatever went wrong
             return LookupResult(
                 LookupStatus.UNAVAILABLE, reason=f"{self.tool_name}: {type(exc).__name__}: {exc}"
             )
         return lookup_result(self.tool_name, status, payload)
+
+    def lookup_many(
+        self, requests: Sequence[tuple[str, str | None]]
+    ) -> Iterator[tuple[int, LookupResult]]:
+        """:meth:`lookup` for each ``(idempotency_key, provider_ref)``, many at once; yields
+        ``(index in requests, answer)`` as the answers come, one per request. Never raises
+        for "I cannot tell": that is ``UNAVAILABLE``."""
+        host = f"Host: {self._endpoint.netloc}\r\nAccept-Encoding: identity\r\n\r\n"
+        wire_requests = [
+            (
+                f"GET {self._endpoint.lookup_path}?{urlencode(self._endpoint.query(key, ref))} "
+                f"HTTP/1.1\r\n{host}"
+            ).encode("ascii")
+            for key, ref in requests
+        ]
+        unanswered = set(range(len(requests)))
+        try:
+            for reply in self._wires.get_many(
+                wire_requests,
+                timeout_s=self.terms.call_timeout.total_seconds(),
+                in_flight=self._max_in_flight,
+            ):
+                unanswered.discard(reply.index)
+                if reply.error is not None:
+                    reason = f"{self.tool_name}: {reply.error}"
+                    yield reply.index, LookupResult(LookupStatus.UNAVAILABLE, reason=reason)
+                else:
+                    yield reply.index, lookup_result(self.tool_name, reply.status, reply.body)
+        except Exception as exc:  # "I cannot tell" is an answer, whatever went wrong
+            reason = f"{self.tool_name}: {type(exc).__name__}: {exc}"
+            for index in sorted(unanswered):
+                yield index, LookupResult(LookupStatus.UNAVAILABLE, reason=reason)
 
 
 class AsyncHttpToolProvider:

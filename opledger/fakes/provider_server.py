@@ -142,6 +142,7 @@ class FakeProviderServer:
         app.router.add_get("/_control/stats", self.stats)
         app.router.add_post("/_control/reset", self.reset)
         app.router.add_get("/_control/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.on_shutdown.append(self._release_all)
         return app
 
@@ -246,6 +247,32 @@ class FakeProviderServer:
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        """What the outside world saw, for Prometheus: per tool, the calls received, the side
+        effects performed, and the calls that repeated an idempotency key already seen."""
+        stats = self.state.stats()
+        lines = []
+        for name, help_text, value in (
+            ("opledger_provider_calls_received_total", "Calls the provider received.", "calls"),
+            (
+                "opledger_provider_side_effects_total",
+                "Side effects the provider performed.",
+                "side_effects",
+            ),
+            (
+                "opledger_provider_duplicate_keys_total",
+                "Calls that repeated an idempotency key the provider had seen before.",
+                "duplicate_keys",
+            ),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            lines += [
+                f'{name}{{tool="{tool}"}} {getattr(t, value)}' for tool, t in stats.tools.items()
+            ]
+        return web.Response(
+            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+        )
 
 
 async def serve(host: str, port: int, stop: asyncio.Event | None = None) -> None:

@@ -21,16 +21,20 @@ causes cites it. The worker reads its state from the projection and the unprojec
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -55,19 +59,24 @@ from ledger.kafka import consumer_config
 from ledger.leases import Lease, LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
-from ledger.results import ResultStore
+from ledger.results import PreparedResult, ResultStore
 from ledger.secrets import scrub
 from ledger.settings import Settings
-from ledger.tools import ContactLost, Provider
+from ledger.tools import ContactLost, LookupResult, Provider
 from ledger.transport import OutgoingRecord, Transport
+from processors.health import Health
 
 log = logging.getLogger("opledger.recovery")
 
 X = ExecutionState
-PolicyCheck = Callable[[PolicyRequest], PolicyDecision]
+#: Policy for a batch of requests, decisions in the same order (``PolicyStore.evaluate_many``).
+PolicyCheck = Callable[[Sequence[PolicyRequest]], list[PolicyDecision]]
 
 #: Operations handled per pass (a pass takes their leases in one statement).
 BATCH = 500
+#: Operations decided together as their lookups come back: policy is read once per subject for
+#: each group, right before its decisions.
+DECIDE_GROUP = 64
 #: The lease a worker takes for an operation: long enough for a provider call and its record.
 LEASE_MARGIN = timedelta(seconds=10)
 #: Backoff of a lookup the provider could not answer: doubles from the first to the last.
@@ -93,6 +102,22 @@ SELECT COALESCE(extract(epoch FROM now() - min(decided_at)), 0)
 """
 
 
+@runtime_checkable
+class BatchLookup(Protocol):
+    """A provider that can be asked about many idempotency keys at once: the worker then asks
+    a pass's keys through it from one thread, instead of one pool thread per lookup."""
+
+    tool_name: str
+
+    def lookup_many(
+        self, requests: Sequence[tuple[str, str | None]]
+    ) -> Iterator[tuple[int, LookupResult]]:
+        """``Provider.lookup`` for each ``(idempotency_key, provider_ref)``: yields ``(index
+        in requests, answer)`` as the answers come, one per request; "I cannot tell" is
+        ``UNAVAILABLE``, never an exception."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     operation_id: str
@@ -101,41 +126,6 @@ class Candidate:
     tool_name: str
     state_entered_at: datetime
     attempt: int
-
-
-class Health:
-    """Whether the worker is doing its job, for ``/healthz``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.progressing = True
-        self.reason: str | None = None
-        self.since = time.monotonic()
-        self.passes = 0
-        self.partitions: tuple[int, ...] = ()
-
-    def ok(self) -> None:
-        with self._lock:
-            self.passes += 1
-            if not self.progressing:
-                self.progressing, self.reason, self.since = True, None, time.monotonic()
-
-    def stalled(self, reason: str) -> None:
-        with self._lock:
-            if self.progressing:
-                self.progressing, self.since = False, time.monotonic()
-            self.reason = reason
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "status": "ok" if self.progressing else "stalled",
-                "progressing": self.progressing,
-                "reason": self.reason,
-                "for_s": round(time.monotonic() - self.since, 1),
-                "passes": self.passes,
-                "partitions": list(self.partitions),
-            }
 
 
 class RecoveryWorker:
@@ -157,6 +147,7 @@ class RecoveryWorker:
         threads: int = 32,
     ) -> None:
         self._settings = settings
+        self._execution_topic = settings.execution_topic
         self._pool = pool
         self._transport = transport
         self._leases = leases
@@ -164,9 +155,13 @@ class RecoveryWorker:
         self._results = results
         self._policy = policy
         self._providers = {p.tool_name: p for p in providers}
+        self._batch_lookups = {
+            name for name, p in self._providers.items() if isinstance(p, BatchLookup)
+        }
         self._metrics = metrics
         self._codec = codec or default_codec()
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="opledger-recover")
+        self._thread_count = threads
         self._stopping = threading.Event()
         self._consumer: Consumer | None = None
         self._assigned: set[int] = set()
@@ -205,6 +200,10 @@ class RecoveryWorker:
                     client_id="opledger-recovery",
                 ),
                 "partition.assignment.strategy": "cooperative-sticky",
+                # A SIGKILLed worker's partitions move once its session ends: 10 s, not the
+                # default 45 s, during which nobody would sweep its operations.
+                "session.timeout.ms": 10_000,
+                "heartbeat.interval.ms": 2_000,
             }
         )
         consumer.subscribe(
@@ -275,22 +274,161 @@ class RecoveryWorker:
         if not taken:
             return 0
         snapshots = self._load(taken, claimed)
-        jobs = []
+        states = []
         for op_id, lease in taken.items():
             snapshot = snapshots.get(op_id)
             if snapshot is None or snapshot.execution is None:
                 continue
             if snapshot.execution.lease_token != lease.token:
                 continue  # another process claimed it after us
-            jobs.append(self._threads.submit(self._handle, snapshot, lease))
-        handled = 0
-        for job in jobs:
-            try:
-                job.result()
-                handled += 1
-            except Exception as exc:  # one operation's trouble never stops the others
-                log.warning("an operation was left for a later pass: %s", exc)
+            provider = self._providers[snapshot.execution.tool_name]
+            states.append(_State(snapshot.execution, lease, provider))
+        for state in states:
+            self._guarded(state, self._detect)
+        self._look_up_and_decide(states)
+        # Only the provider calls the decisions permit go back to the threads.
+        self._concurrently(self._with_requests(states), self._call_stored)
+        for state in states:
+            if state.failure is not None:  # one operation's trouble never stops the others
+                log.warning("an operation was left for a later pass: %s", state.failure)
+        handled = self._record(states)
         self._leases.release(list(taken.values()))
+        return handled
+
+    def _look_up_and_decide(self, states: Sequence[_State]) -> None:
+        """Ask the providers about every UNKNOWN attempt on the thread pool and decide each
+        operation here as the answers come back, a group at a time: policy is read once per
+        subject for a group, right before its decisions (current policy, seed rule 3; nothing
+        is kept from one group to the next), while the pool asks about the rest."""
+        live = [s for s in states if s.failure is None]
+        group = [s for s in live if s.execution.state is X.INTENT_RECORDED]
+        by_batch: dict[str, list[_State]] = {}
+        one_by_one: deque[_State] = deque()
+        for state in live:
+            if state.execution.state is X.UNKNOWN:
+                if state.provider.tool_name in self._batch_lookups:
+                    by_batch.setdefault(state.provider.tool_name, []).append(state)
+                else:
+                    one_by_one.append(state)
+        answered: queue.SimpleQueue[_State] = queue.SimpleQueue()
+
+        def drain() -> None:
+            while True:
+                try:
+                    state = one_by_one.popleft()
+                except IndexError:
+                    return
+                self._guarded(state, self._look_up)
+                answered.put(state)
+
+        outstanding = len(one_by_one) + sum(len(batch) for batch in by_batch.values())
+        jobs = [self._threads.submit(self._look_up_many, b, answered) for b in by_batch.values()]
+        threads = min(self._thread_count - len(jobs), len(one_by_one))
+        jobs += [self._threads.submit(drain) for _ in range(max(threads, 1 if one_by_one else 0))]
+        while True:
+            if group:
+                self._check_policy(group)
+                for state in group:
+                    self._guarded(state, self._decide)
+            if not outstanding:
+                break
+            group = self._answers(answered, min(DECIDE_GROUP, outstanding), jobs)
+            outstanding -= len(group)
+        for job in jobs:
+            job.result()
+
+    def _look_up_many(self, states: Sequence[_State], answered: queue.SimpleQueue[_State]) -> None:
+        """Ask one provider about ``states`` at once (``BatchLookup``); each is put in
+        ``answered`` once, with its answer or, if the provider broke off, its failure."""
+        provider = states[0].provider
+        assert isinstance(provider, BatchLookup)
+        unanswered = dict(enumerate(states))
+        try:
+            for index, lookup in provider.lookup_many(
+                [
+                    (ids.idempotency_key(s.execution.operation_id), s.execution.provider_ref)
+                    for s in states
+                ]
+            ):
+                state = unanswered.pop(index, None)
+                if state is not None:  # a second answer to one request is ignored
+                    self._answer(state, lookup.status, lookup)
+                    answered.put(state)
+        except Exception as exc:  # left for a later pass; never decided by raising
+            log.warning("lookups of %s broke off: %s", provider.tool_name, exc)
+            failure: Exception = exc
+        else:
+            failure = RuntimeError(f"{provider.tool_name}: lookup_many left requests unanswered")
+        for state in unanswered.values():
+            state.failure = failure
+            answered.put(state)
+
+    @staticmethod
+    def _answers(
+        answered: queue.SimpleQueue[_State], at_least: int, jobs: Sequence[Future[None]]
+    ) -> list[_State]:
+        """At least ``at_least`` answered operations (more if they are there already)."""
+        group: list[_State] = []
+        while len(group) < at_least:
+            try:
+                group.append(answered.get(timeout=1.0))
+            except queue.Empty:
+                for job in jobs:
+                    if job.done() and job.exception() is not None:
+                        raise RuntimeError("a lookup thread died") from job.exception()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                group.append(answered.get_nowait())
+        return group
+
+    def _concurrently(self, states: Sequence[_State], work: Callable[[_State], None]) -> None:
+        """``work`` for each of ``states`` (those not failed yet) on the thread pool. Each thread
+        takes the next operation itself: one hand-off per thread, not per operation."""
+        todo = deque(s for s in states if s.failure is None)
+        if not todo:
+            return
+
+        def drain() -> None:
+            while True:
+                try:
+                    state = todo.popleft()
+                except IndexError:
+                    return
+                self._guarded(state, work)
+
+        for job in [self._threads.submit(drain) for _ in range(min(self._thread_count, len(todo)))]:
+            job.result()
+
+    @staticmethod
+    def _guarded(state: _State, work: Callable[[_State], None]) -> None:
+        """``work(state)`` unless the operation already failed; what it raises stays with it."""
+        if state.failure is not None:
+            return
+        try:
+            work(state)
+        except Exception as exc:
+            state.failure = exc
+
+    def _record(self, states: Sequence[_State]) -> int:
+        """Append what every operation of the pass decided, in one acknowledged send (one wait
+        instead of one per operation); returns how many operations were handled. Each
+        operation's records keep their order, and whatever a decision points at (a recovered
+        result) was committed before it was queued. Records that must be durable before a
+        provider call were sent at once (``_append(now=True)``)."""
+        records = [record for state in states for record in state.pending]
+        try:
+            self._results.put_many([p for state in states for p in state.payloads])
+            self._send_records(records)
+        except RecordError as exc:
+            # Some may have landed: a later pass reads the log again and decides from there.
+            log.warning("a pass's decisions were not acknowledged; left for a later pass: %s", exc)
+            return 0
+        handled = 0
+        for state in states:
+            for counter in state.counted:
+                counter.inc()
+            if state.failure is None:
+                handled += 1
         return handled
 
     def _candidates(self, partitions: Sequence[int]) -> list[Candidate]:
@@ -387,26 +525,77 @@ class RecoveryWorker:
 
     # -- one operation -------------------------------------------------------------------------
 
-    def _handle(self, snapshot: Snapshot, lease: Lease) -> None:
-        execution = snapshot.execution
-        assert execution is not None
-        provider = self._providers[execution.tool_name]
-        state = _State(execution, lease)
-        if execution.state is X.INTENT_RECORDED:
-            self._resume(state, provider)
+    def _detect(self, state: _State) -> None:
+        """DISPATCHED longer than the call timeout with its owner gone: UNKNOWN, with why."""
+        if state.execution.state is not X.DISPATCHED:
             return
-        if execution.state is X.DISPATCHED:
-            reason = (
-                f"no outcome within the tool's {provider.terms.call_timeout} call timeout and "
-                "its owner went away (lease expired): the call may or may not have happened"
-            )
-            self._append(state, [self._transition(state, X.UNKNOWN, error=reason)])
-            self._metrics.detector_transitions.inc()
-        if state.execution.state is X.UNKNOWN:
-            self._reconcile(state, provider)
+        reason = (
+            f"no outcome within the tool's {state.provider.terms.call_timeout} call timeout "
+            "and its owner went away (lease expired): the call may or may not have happened"
+        )
+        self._append(state, [self._transition(state, X.UNKNOWN, error=reason)])
+        state.counted.append(self._metrics.detector_transitions)
 
-    def _resume(self, state: _State, provider: Provider) -> None:
-        decision = self._check(state.execution, provider, Purpose.DISPATCH)
+    def _look_up(self, state: _State) -> None:
+        """Ask the provider what became of an UNKNOWN attempt (a lookup never raises here)."""
+        if state.execution.state is not X.UNKNOWN:
+            return
+        provider = state.provider
+        key = ids.idempotency_key(state.execution.operation_id)
+        try:
+            lookup = provider.lookup(key, state.execution.provider_ref)
+        except Exception as exc:  # a lookup never decides anything by raising
+            log.warning("lookup of %s raised: %s", key, exc)
+            self._answer(state, LookupStatus.UNAVAILABLE, None)
+        else:
+            self._answer(state, lookup.status, lookup)
+
+    def _answer(self, state: _State, status: LookupStatus, found: LookupResult | None) -> None:
+        state.lookup, state.found = status, found
+        self._metrics.provider_lookups.labels(state.provider.tool_name, status.value).inc()
+
+    def _check_policy(self, states: Sequence[_State]) -> None:
+        """Policy as it is now for every operation about to be decided, in one read per
+        subject; when it cannot be read, none of them is decided in this pass."""
+        deciding = (X.INTENT_RECORDED, X.UNKNOWN)
+        asking = [s for s in states if s.failure is None and s.execution.state in deciding]
+        if not asking:
+            return
+        try:
+            decisions = self._policy([self._policy_request(s) for s in asking])
+        except Exception as exc:
+            for state in asking:
+                state.failure = exc
+            return
+        for state, decision in zip(asking, decisions, strict=True):
+            state.policy = decision
+
+    def _policy_request(self, state: _State) -> PolicyRequest:
+        execution = state.execution
+        purpose = (
+            Purpose.NEW_ATTEMPT
+            if execution.state is X.UNKNOWN and state.lookup is LookupStatus.NOT_FOUND
+            else Purpose.DISPATCH
+        )
+        return PolicyRequest(
+            tenant_id=execution.tenant_id,
+            actor_id=execution.actor_id,
+            tool_name=execution.tool_name,
+            purpose=purpose,
+            now=datetime.now(UTC),
+            required_scope=state.provider.terms.required_scope,
+            cancelled=execution.cancelled,
+        )
+
+    def _decide(self, state: _State) -> None:
+        if state.execution.state is X.INTENT_RECORDED:
+            self._resume(state)
+        elif state.execution.state is X.UNKNOWN:
+            self._reconcile(state)
+
+    def _resume(self, state: _State) -> None:
+        decision = state.policy
+        assert decision is not None
         if not decision.allowed:
             decided = self._decision(
                 state, Decision.REFUSE, LookupStatus.NOT_LOOKED_UP, decision, decision.reason
@@ -416,45 +605,14 @@ class RecoveryWorker:
                 state,
                 [decided, self._transition(state, X.FAILED, error=reason, decided=decided)],
             )
-            self._metrics.resumed.labels("refused").inc()
+            state.counted.append(self._metrics.resumed.labels("refused"))
             return
-        stored = self._leases.requests([(state.execution.operation_id, state.execution.tenant_id)])
-        body = stored.get(state.execution.operation_id)
-        if body is None:
-            decided = self._decision(
-                state,
-                Decision.PARK,
-                LookupStatus.NOT_LOOKED_UP,
-                decision,
-                "the intent's request was never stored (recorded without a lease store): it "
-                "cannot be dispatched by anyone but its owner",
-            )
-            self._append(state, [decided])
-            return
-        decided = self._decision(
-            state,
-            Decision.RESUME,
-            LookupStatus.NOT_LOOKED_UP,
-            decision,
-            "the owner went away before dispatching: no call was made; dispatching it once",
-        )
-        self._call(state, provider, json.loads(body), decided, label="resumed")
+        state.wants_call = Decision.RESUME  # once its stored request is read
 
-    def _reconcile(self, state: _State, provider: Provider) -> None:
+    def _reconcile(self, state: _State) -> None:
         execution = state.execution
-        key = ids.idempotency_key(execution.operation_id)
-        try:
-            lookup = provider.lookup(key, execution.provider_ref)
-        except Exception as exc:  # a lookup never decides anything by raising
-            log.warning("lookup of %s raised: %s", key, exc)
-            lookup_status, found = LookupStatus.UNAVAILABLE, None
-        else:
-            lookup_status, found = lookup.status, lookup
-        self._metrics.provider_lookups.labels(provider.tool_name, lookup_status.value).inc()
-        purpose = (
-            Purpose.NEW_ATTEMPT if lookup_status is LookupStatus.NOT_FOUND else Purpose.DISPATCH
-        )
-        policy = self._check(execution, provider, purpose)
+        lookup_status, found, policy = state.lookup, state.found, state.policy
+        assert lookup_status is not None and policy is not None
         verdict = decide(
             lookup_status,
             policy,
@@ -462,12 +620,9 @@ class RecoveryWorker:
             if execution.state is not X.UNKNOWN
             else self._dispatched_at(execution),
             now=datetime.now(UTC),
-            key_retention=provider.terms.key_retention,
+            key_retention=state.provider.terms.key_retention,
         )
         provider_ref = (found.provider_ref if found else None) or execution.provider_ref
-
-        def decision_only() -> ReconciliationDecided:
-            return self._decision(state, verdict.decision, lookup_status, policy, verdict.reason)
 
         if verdict.decision is Decision.RETRY_LOOKUP:
             self._back_off(execution.operation_id)
@@ -481,14 +636,17 @@ class RecoveryWorker:
                         )
                     ],
                 )
-            self._metrics.reconciliations.labels("retry_lookup").inc()
+            state.counted.append(self._metrics.reconciliations.labels("retry_lookup"))
             return
         self._backoff.pop(execution.operation_id, None)
         if verdict.decision is Decision.MARK_SUCCEEDED:
             assert found is not None
             result = found.result if found.result is not None else b""
-            # The recovered result is durable before anything points at it (seed row 3).
-            result_ref = self._results.put(execution.tenant_id, result, found.content_type)
+            # The recovered result is durable before anything points at it (seed row 3): it is
+            # stored with the pass's other results, in one commit, before any record is sent.
+            prepared = self._results.prepare(execution.tenant_id, result, found.content_type)
+            state.payloads.append(prepared)
+            result_ref = prepared.result_ref
             decided = self._decision(
                 state, verdict.decision, lookup_status, policy, verdict.reason,
                 provider_ref=provider_ref, result_ref=result_ref,
@@ -506,7 +664,7 @@ class RecoveryWorker:
                     ),
                 ],
             )
-            self._metrics.reconciliations.labels("succeeded").inc()
+            state.counted.append(self._metrics.reconciliations.labels("succeeded"))
         elif verdict.decision is Decision.MARK_FAILED:
             reason = (found.reason if found else None) or "the provider reports the call failed"
             decided = self._decision(
@@ -517,35 +675,90 @@ class RecoveryWorker:
                 state,
                 [decided, self._transition(state, X.FAILED, error=reason, decided=decided)],
             )
-            self._metrics.reconciliations.labels("failed").inc()
+            state.counted.append(self._metrics.reconciliations.labels("failed"))
         elif verdict.decision is Decision.NEW_ATTEMPT:
-            decided = decision_only()
-            stored = self._leases.requests([(execution.operation_id, execution.tenant_id)])
-            body = stored.get(execution.operation_id)
-            if body is None:
-                self._append(
-                    state,
-                    [
-                        self._decision(
-                            state,
-                            Decision.PARK,
-                            lookup_status,
-                            policy,
-                            "a new attempt is allowed, but the request was never stored",
-                        )
-                    ],
-                )
-                self._metrics.reconciliations.labels("parked").inc()
-                return
-            self._metrics.reconciliations.labels("new_attempt").inc()
-            self._call(state, provider, json.loads(body), decided, label="new_attempt")
+            state.wants_call = Decision.NEW_ATTEMPT  # once its stored request is read
+            state.verdict_reason = verdict.reason
         else:  # PARK or REFUSE: a person decides
             self._append(
                 state,
                 [self._decision(state, verdict.decision, lookup_status, policy, verdict.reason)],
             )
             outcome = "parked" if verdict.decision is Decision.PARK else "refused"
-            self._metrics.reconciliations.labels(outcome).inc()
+            state.counted.append(self._metrics.reconciliations.labels(outcome))
+
+    def _with_requests(self, states: Sequence[_State]) -> list[_State]:
+        """The operations whose decision permits a call, with their stored requests (read in
+        one statement); one whose request was never stored is parked instead."""
+        calling = [s for s in states if s.failure is None and s.wants_call is not None]
+        if not calling:
+            return []
+        try:
+            stored = self._leases.requests(
+                [(s.execution.operation_id, s.execution.tenant_id) for s in calling]
+            )
+        except Exception as exc:
+            for state in calling:
+                state.failure = exc
+            return []
+        ready = []
+        for state in calling:
+            state.stored_request = stored.get(state.execution.operation_id)
+            self._guarded(state, self._prepare_call)
+            if state.failure is None and state.decided is not None:
+                ready.append(state)
+        return ready
+
+    def _prepare_call(self, state: _State) -> None:
+        body, policy = state.stored_request, state.policy
+        assert policy is not None
+        if state.wants_call is Decision.RESUME:
+            if body is None:
+                decided = self._decision(
+                    state,
+                    Decision.PARK,
+                    LookupStatus.NOT_LOOKED_UP,
+                    policy,
+                    "the intent's request was never stored (recorded without a lease store): "
+                    "it cannot be dispatched by anyone but its owner",
+                )
+                self._append(state, [decided])
+                return
+            state.request = json.loads(body)
+            state.decided = self._decision(
+                state,
+                Decision.RESUME,
+                LookupStatus.NOT_LOOKED_UP,
+                policy,
+                "the owner went away before dispatching: no call was made; dispatching it once",
+            )
+            return
+        assert state.lookup is not None
+        if body is None:
+            self._append(
+                state,
+                [
+                    self._decision(
+                        state,
+                        Decision.PARK,
+                        state.lookup,
+                        policy,
+                        "a new attempt is allowed, but the request was never stored",
+                    )
+                ],
+            )
+            state.counted.append(self._metrics.reconciliations.labels("parked"))
+            return
+        state.counted.append(self._metrics.reconciliations.labels("new_attempt"))
+        state.request = json.loads(body)
+        state.decided = self._decision(
+            state, Decision.NEW_ATTEMPT, state.lookup, policy, state.verdict_reason
+        )
+
+    def _call_stored(self, state: _State) -> None:
+        assert state.decided is not None
+        label = "resumed" if state.wants_call is Decision.RESUME else "new_attempt"
+        self._call(state, state.provider, state.request, state.decided, label=label)
 
     def _call(
         self,
@@ -559,7 +772,8 @@ class RecoveryWorker:
         """Record the decision and the dispatch it permits, then call the provider once."""
         key = ids.idempotency_key(state.execution.operation_id)
         dispatch = self._transition(state, X.DISPATCHED, provider_ref=key, decided=decided)
-        self._append(state, [decided, dispatch])
+        # Durable before the call (with whatever this operation queued before it), as always.
+        self._append(state, [decided, dispatch], now=True)
         if not self._leases.holds(state.lease):
             log.warning("%s: lease lost before the call; not calling", key)
             return
@@ -571,7 +785,7 @@ class RecoveryWorker:
             self._append(state, [self._transition(state, X.UNKNOWN, error=_text(lost))])
             self._metrics.provider_calls.labels(provider.tool_name, "unknown").inc()
             if label == "resumed":
-                self._metrics.resumed.labels("unknown").inc()
+                state.counted.append(self._metrics.resumed.labels("unknown"))
             return
         if outcome.succeeded:
             result = outcome.result if outcome.result is not None else b""
@@ -588,7 +802,7 @@ class RecoveryWorker:
         self._append(state, [event])
         self._metrics.provider_calls.labels(provider.tool_name, label_outcome).inc()
         if label == "resumed":
-            self._metrics.resumed.labels(label_outcome).inc()
+            state.counted.append(self._metrics.resumed.labels(label_outcome))
 
     # -- building and appending ----------------------------------------------------------------
 
@@ -650,9 +864,12 @@ class RecoveryWorker:
             reason=_text(reason),
         )
 
-    def _append(self, state: _State, events: Sequence[OperationEvent]) -> None:
-        """Fold ``events`` onto the operation (refusing to send what the fold would reject),
-        append them in one acknowledged send, and move the in-memory state on."""
+    def _append(
+        self, state: _State, events: Sequence[OperationEvent], *, now: bool = False
+    ) -> None:
+        """Fold ``events`` onto the operation (refusing to send what the fold would reject) and
+        move the in-memory state on. The records are queued for the pass's one send, or, with
+        ``now``, sent at once (after those the operation queued before) and acknowledged."""
         execution = state.execution
         for event in events:
             outcome = (
@@ -663,19 +880,30 @@ class RecoveryWorker:
             if not isinstance(outcome, Applied):
                 raise RecordError(f"{execution.operation_id}: refusing to append: {outcome}")
             execution = outcome.record
-        self._send(events)
+        records = [self._outgoing(e) for e in events]
+        if now:
+            self._results.put_many(state.payloads)
+            state.payloads.clear()
+            self._send_records([*state.pending, *records])
+            state.pending.clear()
+        else:
+            state.pending.extend(records)
         state.execution = execution
 
+    def _outgoing(self, event: OperationEvent) -> OutgoingRecord:
+        return OutgoingRecord(
+            self._execution_topic,
+            event.operation_id.encode("ascii"),
+            self._codec.encode(event),
+            [("opledger-schema", type(event).__name__.encode())],
+        )
+
     def _send(self, events: Sequence[OperationEvent]) -> list[tuple[str, int, int]]:
-        records = [
-            OutgoingRecord(
-                self._settings.execution_topic,
-                e.operation_id.encode("ascii"),
-                self._codec.encode(e),
-                [("opledger-schema", type(e).__name__.encode())],
-            )
-            for e in events
-        ]
+        return self._send_records([self._outgoing(e) for e in events])
+
+    def _send_records(self, records: Sequence[OutgoingRecord]) -> list[tuple[str, int, int]]:
+        if not records:
+            return []
         # A resend of the very same records after a lost acknowledgement is harmless: the fold
         # recognises each by its event id.
         for attempt in range(3):
@@ -686,21 +914,6 @@ class RecoveryWorker:
                     raise
                 time.sleep(0.2 * (attempt + 1))
         return []
-
-    def _check(
-        self, execution: ExecutionRecord, provider: Provider, purpose: Purpose
-    ) -> PolicyDecision:
-        return self._policy(
-            PolicyRequest(
-                tenant_id=execution.tenant_id,
-                actor_id=execution.actor_id,
-                tool_name=execution.tool_name,
-                purpose=purpose,
-                now=datetime.now(UTC),
-                required_scope=provider.terms.required_scope,
-                cancelled=execution.cancelled,
-            )
-        )
 
     def _dispatched_at(self, execution: ExecutionRecord) -> datetime:
         # The record keeps when UNKNOWN was entered, not when the attempt was dispatched; the
@@ -735,15 +948,59 @@ class RecoveryWorker:
 
 
 class _State:
-    """An operation being handled: its record as this worker last appended it, and the lease."""
+    """An operation being handled: its record as this worker last folded it, the lease, what
+    this pass learnt about it, and what is still to be sent for it."""
 
-    __slots__ = ("execution", "lease")
+    __slots__ = (
+        "counted",
+        "decided",
+        "execution",
+        "failure",
+        "found",
+        "lease",
+        "lookup",
+        "payloads",
+        "pending",
+        "policy",
+        "provider",
+        "request",
+        "stored_request",
+        "verdict_reason",
+        "wants_call",
+    )
 
-    def __init__(self, execution: ExecutionRecord, lease: Lease) -> None:
+    def __init__(self, execution: ExecutionRecord, lease: Lease, provider: Provider) -> None:
         self.execution = execution
         self.lease = lease
+        self.provider = provider
+        #: what the provider said about the UNKNOWN attempt, when it was asked
+        self.lookup: LookupStatus | None = None
+        self.found: LookupResult | None = None
+        #: policy as read in this pass, right before deciding
+        self.policy: PolicyDecision | None = None
+        #: RESUME or NEW_ATTEMPT when the decision permits a call, and what it needs
+        self.wants_call: Decision | None = None
+        self.verdict_reason = ""
+        self.stored_request: bytes | None = None
+        self.request: Any = None
+        self.decided: ReconciliationDecided | None = None
+        #: records folded but not sent yet, in order: the pass sends them all at once
+        self.pending: list[OutgoingRecord] = []
+        #: results those records point at, stored (in one commit for the pass) before them
+        self.payloads: list[PreparedResult] = []
+        #: counters of recorded decisions, incremented once their records are acknowledged
+        self.counted: list[Any] = []
+        #: why this operation was left for a later pass, if it was
+        self.failure: Exception | None = None
 
 
 def _text(value: str | BaseException) -> str:
     text = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
+    return _scrubbed(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scrubbed(text: str) -> str:
+    # scrub is a pure function of the text, and a pass repeats the same few reasons hundreds
+    # of times: detect-secrets' plugins over each of them cost more than the rest of a decision.
     return scrub(text, max_length=MAX_ERROR)

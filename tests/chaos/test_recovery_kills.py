@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 
 from ledger.settings import Settings
 from opledger.fakes.http_provider import FakeProviderControl
+from tests.process_support import kill, start_cli, wait_http
 from tests.support import env_for, free_port, grant, project_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,27 +79,6 @@ def _first_op(process: subprocess.Popen[str]) -> str:
     return line.split()[1]
 
 
-def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "opledger.cli", *argv],
-        env=env,
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200:
-                return
-        assert time.monotonic() < deadline, f"{url} did not answer"
-        time.sleep(0.3)
-
-
 @contextlib.contextmanager
 def _processes(settings: Settings, logs: Path, *, recovery: bool) -> Iterator[Rig]:
     provider_port, projector_port, recovery_port = free_port(), free_port(), free_port()
@@ -114,23 +93,21 @@ def _processes(settings: Settings, logs: Path, *, recovery: bool) -> Iterator[Ri
         OPLEDGER_RECOVERY_INTERVAL_MS="200",
     )
     started = [
-        _start(["fake-provider", "run"], env, logs / "provider.log"),
-        _start(["projector", "run"], env, logs / "projector.log"),
+        start_cli(["fake-provider", "run"], env, logs / "provider.log"),
+        start_cli(["projector", "run"], env, logs / "projector.log"),
     ]
     if recovery:
-        started.append(_start(["recover", "run"], env, logs / "recovery.log"))
+        started.append(start_cli(["recover", "run"], env, logs / "recovery.log"))
     try:
         control = FakeProviderControl(f"http://127.0.0.1:{provider_port}")
         control.wait_ready(30)
-        _wait_http(f"http://127.0.0.1:{projector_port}/healthz")
+        wait_http(f"http://127.0.0.1:{projector_port}/healthz")
         if recovery:
-            _wait_http(f"http://127.0.0.1:{recovery_port}/healthz")
+            wait_http(f"http://127.0.0.1:{recovery_port}/healthz")
         yield Rig(settings, env, control, logs)
     finally:
         for process in started:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            kill(process)
 
 
 @pytest.mark.chaos

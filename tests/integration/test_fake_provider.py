@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -133,6 +134,11 @@ def test_idempotent_tool_dedups_a_repeated_key(base_url: str, control: FakeProvi
     )
     assert stats.received_keys == ("op_1", "op_1")
     assert stats.max_side_effects_per_key == 1
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
+        exposed = response.read().decode()
+    assert 'opledger_provider_duplicate_keys_total{tool="send_email"} 1' in exposed
+    assert 'opledger_provider_side_effects_total{tool="send_email"} 1' in exposed
+    assert 'opledger_provider_calls_received_total{tool="send_email"} 2' in exposed
 
 
 def test_non_idempotent_tool_counts_every_call(base_url: str, control: FakeProviderControl) -> None:

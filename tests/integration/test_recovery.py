@@ -4,7 +4,7 @@ worker is driven in-process here; the chaos tier runs it as a process and SIGKIL
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -53,6 +53,10 @@ class Policy:
             return PolicyDecision(False, "the grant was revoked", REVOCATION)
         return PolicyDecision(True, "allowed by the test grant", GRANT)
 
+    def many(self, requests: Sequence[PolicyRequest]) -> list[PolicyDecision]:
+        """As the worker asks: a pass's requests at once."""
+        return [self(request) for request in requests]
+
 
 def _terms(**changes: Any) -> ProviderTerms:
     values: dict[str, Any] = {
@@ -83,7 +87,7 @@ class Rig:
             leases=LeaseStore(self.pool, "test-recovery"),
             history=self.history,
             results=ResultStore(self.pool),
-            policy=self.policy,
+            policy=self.policy.many,
             providers=[provider],
             metrics=Metrics.create(self.registry),
         )
