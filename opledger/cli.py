@@ -15,7 +15,18 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ledger.settings import Settings, SettingsError
-from opledger import db, demo, ops, policy, projector, recover, stack
+from opledger import (
+    consumer,
+    db,
+    deliver,
+    demo,
+    ops,
+    policy,
+    projector,
+    recover,
+    stack,
+    supervisor,
+)
 from opledger.fakes import commands as fake_provider
 
 if TYPE_CHECKING:
@@ -56,8 +67,15 @@ def _stack_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _stack_restart(args: argparse.Namespace, settings: Settings) -> int:
-    stack.restart(settings, args.service, kill=args.kill)
+    if args.service in _worker_names():
+        stack.restart_worker(settings, args.service, kill=args.kill)
+    else:
+        stack.restart(settings, args.service, kill=args.kill)
     return 0
+
+
+def _worker_names() -> tuple[str, ...]:
+    return tuple(spec.name for spec in supervisor.WORKERS)
 
 
 def _stack_logs(args: argparse.Namespace, settings: Settings) -> int:
@@ -95,11 +113,14 @@ def register_stack(commands: Commands) -> None:
         actions,
         "restart",
         _stack_restart,
-        "stop and start kafka or postgres while the workers keep running",
+        "stop and start kafka or postgres while the workers keep running, or stop one worker "
+        "and wait until the supervisor has started it again",
     )
-    restart.add_argument("service", choices=("kafka", "postgres"))
+    restart.add_argument("service", choices=("kafka", "postgres", *_worker_names()))
     restart.add_argument(
-        "--kill", action="store_true", help="kafka only: SIGKILL the broker instead of stopping it"
+        "--kill",
+        action="store_true",
+        help="kafka or a worker: SIGKILL it instead of stopping it cleanly",
     )
     logs = add_command(actions, "logs", _stack_logs, "print the tail of the stack's logs")
     logs.add_argument("-n", "--lines", type=int, default=40, help="lines per log (default 40)")
@@ -112,10 +133,12 @@ REGISTRARS: list[Registrar] = [
     db.register,
     projector.register,
     recover.register,
+    deliver.register,
     ops.register,
     policy.register,
     demo.register,
     fake_provider.register,
+    consumer.register,
 ]
 
 

@@ -72,13 +72,27 @@ def recovery_healthz(settings: Settings) -> str:
     return f"http://127.0.0.1:{settings.recovery_web_port}/healthz"
 
 
+def delivery_healthz(settings: Settings) -> str:
+    return f"http://127.0.0.1:{settings.delivery_web_port}/healthz"
+
+
 def fake_provider_health(settings: Settings) -> str:
     return f"{settings.fake_provider_url.rstrip('/')}/_control/health"
+
+
+def consumer_healthz(settings: Settings) -> str:
+    """The reference consumer's /healthz: 200 once its key view is restored."""
+    return f"http://127.0.0.1:{settings.consumer_web_port}/healthz"
 
 
 #: The local stack's outside world: the demo's tools are served by the fake provider, and the
 #: recovery worker calls them unless OPLEDGER_PROVIDERS names real ones.
 LOCAL_PROVIDERS = "opledger.fakes.providers:from_settings"
+#: The local stack's webhook signing secret for the reference consumer, relative to
+#: OPLEDGER_HOME: written once (mode 0600) by `opledger stack up`, read by `consumer run
+#: --secrets-file` into its settings, so it is never on a command line, in the environment of
+#: `ps`, or in a log.
+LOCAL_CONSUMER_SECRET = "secrets/consumer-webhook.whsec"
 
 WORKERS: tuple[WorkerSpec, ...] = (
     WorkerSpec("projector", ("projector", "run"), ready_url=projector_healthz),
@@ -87,7 +101,15 @@ WORKERS: tuple[WorkerSpec, ...] = (
         ("recover", "run", "--default-providers", LOCAL_PROVIDERS),
         ready_url=recovery_healthz,
     ),
+    WorkerSpec("delivery", ("deliver", "run"), ready_url=delivery_healthz),
     WorkerSpec("fake-provider", ("fake-provider", "run"), ready_url=fake_provider_health),
+    # The reference consumer: POST /events, deduplicated on operation_id, in its own database
+    # (created by `stack up`); what a tenant's webhook destination points at on this machine.
+    WorkerSpec(
+        "consumer",
+        ("consumer", "run", "--secrets-file", LOCAL_CONSUMER_SECRET),
+        ready_url=consumer_healthz,
+    ),
 )
 
 

@@ -1,77 +1,148 @@
-"""``opledger demo`` end to end, as a newcomer runs it, on topics and a database of its own: it
-exits 0, its summary matches the projections, and the projections equal the independent fold."""
+"""``opledger demo`` end to end, as `make demo` runs it, but on a supervisor of its own: a
+private OPLEDGER_HOME, topics, database and ports on the shared broker and PostgreSQL, so the
+demo runs against supervised workers (projector, recovery, delivery, fake provider, reference
+consumer) that see nothing else. It must exit 0, and what it claims is checked here again from
+the sources themselves: the fake provider's own counts, the consumer's table, the projections
+(which must equal an independent fold of every record on the topics), and the supervisor's
+record of the delivery worker's SIGKILL and restart."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 
 from ledger.settings import Settings
+from opledger import stack, supervisor
+from opledger.fakes.http_provider import FakeProviderControl
 from tests.support import assert_projection_matches, env_for, free_port, independent_fold
 
 ROOT = Path(__file__).resolve().parents[2]
-OPERATIONS = 40
+OPERATIONS = 60
 
 
-def test_demo_runs_and_its_summary_matches_the_projections(isolated: Settings) -> None:
-    port = free_port()
-    settings = isolated.with_(projector_web_port=port)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opledger.cli",
-            "demo",
-            "--operations",
-            str(OPERATIONS),
-            "--workers",
-            "2",
-        ],
-        env=env_for(settings, PYTHONPATH=str(ROOT)),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+def _private(isolated: Settings, tmp_path: Path) -> Settings:
+    return isolated.with_(
+        home=tmp_path / "home",
+        projector_web_port=free_port(),
+        recovery_web_port=free_port(),
+        recovery_group=f"{isolated.topic_prefix}-recovery",
+        delivery_web_port=free_port(),
+        delivery_group=f"{isolated.topic_prefix}-delivery",
+        consumer_web_port=free_port(),
+        consumer_pg_dsn=isolated.dsn,
+        fake_provider_url=f"http://127.0.0.1:{free_port()}",
     )
-    out = result.stdout
-    assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr}"
-    assert "max side effects per operation: 1" in out
-    assert "projections agree with the executor's own reports: yes" in out
-    assert "projector: stopped" in out, "the demo stops the projector it started"
-    counts = re.search(
-        r"operations executed: (\d+) \(succeeded (\d+), failed (\d+), unknown (\d+)\)", out
-    )
-    assert counts is not None, out
-    total, succeeded, failed, unknown = map(int, counts.groups())
-    assert total == OPERATIONS == succeeded + failed + unknown
-    assert f"awaiting reconciliation (UNKNOWN): {unknown}" in out
 
+
+@contextlib.contextmanager
+def _supervised(settings: Settings, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The stack's supervisor for ``settings``' home, as `stack up` starts it; its environment."""
+    stack.ensure_consumer_secret(settings)
+    env = env_for(settings, PYTHONPATH=str(ROOT))
+    with (tmp_path / "supervisor.out").open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "opledger.supervisor"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
+    isolated: Settings, tmp_path: Path
+) -> None:
+    settings = _private(isolated, tmp_path)
+    with _supervised(settings, tmp_path) as env:
+        assert stack.wait_workers_ready(settings, lambda _line: None, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "opledger.cli", "demo", "--operations", str(OPERATIONS)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=420,
+            check=False,
+        )
+        out = result.stdout
+        assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr}"
+        stats = FakeProviderControl(settings.fake_provider_url).stats()
+        delivery = supervisor.read_status(settings)["workers"]["delivery"]
+
+    # What the demo says.
+    for line in (
+        "max side effects per operation: 1",
+        "provider calls beyond what reconciliation allowed: 0",
+        "max applied changes per operation at a consumer: 1",
+        f"operations lost or unfinished: 0 of {OPERATIONS}",
+        "projections agree with the provider (SUCCEEDED: one side effect, FAILED: none): yes",
+        "every invariant held",
+    ):
+        assert line in out, out
+    assert len(re.findall(r"service-\d killed at ", out)) == 3, out
+    assert "delivery worker SIGKILLed" in out, out
+
+    # The supervisor restarted the delivery worker the demo killed.
+    assert delivery["restarts"] >= 1 and delivery["last_exit_signal"] == "SIGKILL", delivery
+
+    # The provider's own counts (it served only this run): nothing happened twice, and the
+    # non-idempotent tool would have shown a second call as a second charge.
+    assert stats.tools["charge_card"].mode.value == "non_idempotent"
+    assert max(t.max_side_effects_per_key for t in stats.tools.values()) == 1
+    keys = {k: c for t in stats.tools.values() for k, c in t.keys.items()}
+
+    with psycopg.connect(settings.dsn) as conn:
+        ops = conn.execute(
+            "SELECT operation_id, execution_state, attempt, parked FROM agent_operations"
+        ).fetchall()
+        decisions = Counter(
+            dict(conn.execute("SELECT decision, count(*) FROM reconciliations GROUP BY 1"))
+        )
+        new_attempts = Counter(
+            op
+            for (op,) in conn.execute(
+                "SELECT operation_id FROM reconciliations WHERE decision = 'NEW_ATTEMPT'"
+            )
+        )
+        deliveries = conn.execute("SELECT destination, state FROM deliveries").fetchall()
+        applied = conn.execute(
+            "SELECT consumer, operation_id, count(*) FROM consumer_applied_changes GROUP BY 1, 2"
+        ).fetchall()
+    assert len(ops) == OPERATIONS
+    for op, state, _attempt, parked in ops:
+        assert state in ("SUCCEEDED", "FAILED") or parked is not None, (op, state)
+        counts = keys.get(op)
+        calls = 0 if counts is None else counts.calls
+        effects = 0 if counts is None else counts.side_effects
+        assert calls <= 1 + new_attempts[op], (op, calls)
+        assert effects == {"SUCCEEDED": 1, "FAILED": 0}.get(state, effects), (op, state, effects)
+    # The three crashes: a new attempt allowed, a result found by lookup, a refusal (row 6).
+    assert decisions["NEW_ATTEMPT"] >= 1 and decisions["MARK_SUCCEEDED"] >= 1, decisions
+    assert decisions["REFUSE"] == 1, decisions
+    assert sum(1 for _op, state, attempt, _p in ops if state == "FAILED" and attempt == 0) >= 1
+    assert {state for _d, state in deliveries} <= {"ACKED", "DEAD_LETTERED"}
+    assert {count for _c, _op, count in applied} == {1}
+    acked = Counter(d for d, state in deliveries if state == "ACKED")
+    by_consumer = Counter(c for c, _op, _n in applied)
+    assert by_consumer["reference"] == acked["crm"] and by_consumer["billing"] == acked["billing"]
+
+    # The projections equal an independent fold of everything on the topics.
     summary = assert_projection_matches(settings, independent_fold(settings))
     assert summary["operations"] == OPERATIONS
     assert summary["anomalies"] == 0
-    with psycopg.connect(settings.dsn) as conn:
-        by_state: dict[str, int] = dict(
-            conn.execute(
-                "SELECT execution_state, count(*) FROM agent_operations GROUP BY 1"
-            ).fetchall()
-        )
-        # Every SUCCEEDED operation has a delivery per destination, each finished.
-        open_deliveries = conn.execute(
-            "SELECT count(*) FROM deliveries WHERE state NOT IN ('ACKED', 'DEAD_LETTERED')"
-        ).fetchone()
-        delivery_count = conn.execute("SELECT count(*) FROM deliveries").fetchone()
-        # UNKNOWN operations were never dispatched twice: one attempt each.
-        redispatched = conn.execute(
-            "SELECT count(*) FROM agent_operations WHERE attempt > 1"
-        ).fetchone()
-    assert by_state.get("SUCCEEDED", 0) == succeeded
-    assert by_state.get("FAILED", 0) == failed
-    assert by_state.get("UNKNOWN", 0) == unknown
-    assert open_deliveries == (0,)
-    assert delivery_count == (2 * succeeded,)
-    assert redispatched == (0,)

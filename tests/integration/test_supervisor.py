@@ -31,14 +31,21 @@ BROKEN_SUPERVISOR = (
 
 
 def _own_home(isolated: Settings, tmp_path: Path) -> Settings:
-    """A home and ports of its own: the shared stack's workers use the default ones."""
-    return isolated.with_(
+    """A home and ports of its own: the shared stack's workers use the default ones. The
+    reference consumer keeps its tables in the test's database and its secret in this home."""
+    settings = isolated.with_(
         home=tmp_path / "home",
         projector_web_port=free_port(),
         recovery_web_port=free_port(),
         recovery_group=f"{isolated.topic_prefix}-recovery",
+        delivery_web_port=free_port(),
+        delivery_group=f"{isolated.topic_prefix}-delivery",
+        consumer_web_port=free_port(),
+        consumer_pg_dsn=isolated.dsn,
         fake_provider_url=f"http://127.0.0.1:{free_port()}",
     )
+    stack.ensure_consumer_secret(settings)
+    return settings
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -186,7 +193,9 @@ def test_stack_starts_one_supervisor_and_sigterm_stops_every_worker(
         assert lines[1:] == [
             f"projector: serving {supervisor.projector_healthz(settings)}",
             f"recovery: serving {supervisor.recovery_healthz(settings)}",
+            f"delivery: serving {supervisor.delivery_healthz(settings)}",
             f"fake-provider: serving {supervisor.fake_provider_health(settings)}",
+            f"consumer: serving {supervisor.consumer_healthz(settings)}",
         ]
         status = supervisor.status_lines(settings)
         assert status[0].startswith(f"supervisor running  pid {pid} ")
@@ -227,24 +236,27 @@ def test_workers_die_with_a_sigkilled_supervisor(isolated: Settings, tmp_path: P
         assert _session_members(process.pid) == set()
 
 
-def test_demo_uses_the_supervised_projector(isolated: Settings, tmp_path: Path) -> None:
+#: A supervisor from an older opledger: it runs the projector only.
+PROJECTOR_ONLY_SUPERVISOR = (
+    "import sys; from opledger.supervisor import WorkerSpec, main, projector_healthz; "
+    "sys.exit(main([WorkerSpec('projector', ('projector', 'run'), ready_url=projector_healthz)]))"
+)
+
+
+def test_up_sees_an_outdated_worker_list_and_restart_kills_one_worker(
+    isolated: Settings, tmp_path: Path
+) -> None:
     settings = _own_home(isolated, tmp_path)
-    with _supervisor(settings, tmp_path):
+    with _supervisor(settings, tmp_path, code=PROJECTOR_ONLY_SUPERVISOR):
         _wait(lambda: _serving(settings), 60, "projector serving /healthz")
-        projector = _worker(settings, "projector")["pid"]
-        # The demo runs on the shared home (its `stack up` finds the servers running) but on
-        # this test's topics, database and web port, where the supervised projector serves.
-        demo = subprocess.run(
-            [sys.executable, "-m", "opledger.cli", "demo", "--operations", "20", "--workers", "2"],
-            env=env_for(settings.with_(home=isolated.home)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert demo.returncode == 0, f"stdout:\n{demo.stdout}\nstderr:\n{demo.stderr}"
-        port = settings.projector_web_port
-        assert f"projector: already serving on 127.0.0.1:{port}; using it" in demo.stdout
-        assert "projections agree with the executor's own reports: yes" in demo.stdout
-        after = _worker(settings, "projector")
-        assert (after["pid"], after["restarts"], after["state"]) == (projector, 0, "running")
+        _wait(lambda: _worker(settings, "projector").get("pid"), 15, "status written")
+        # What `stack up` restarts the supervisor for.
+        assert stack._workers_changed(settings) == "+recovery, +delivery, +fake-provider, +consumer"
+        first = _worker(settings, "projector")["pid"]
+        lines: list[str] = []
+        assert stack.restart_worker(settings, "projector", lines.append, kill=True) == first
+        second = _worker(settings, "projector")
+        assert second["pid"] != first and second["last_exit_signal"] == "SIGKILL", second
+        assert _serving(settings)
+        assert lines[0] == f"projector: killed (pid {first}); the supervisor restarts it"
+        assert lines[-1] == f"projector: running again (pid {second['pid']})"

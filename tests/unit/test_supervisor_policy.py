@@ -3,6 +3,7 @@ docker-compose.yml (the same workers, restarted the same way, with or without Do
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,31 @@ def test_every_compose_worker_service_restarts() -> None:
     assert workers, "docker-compose.yml runs no opledger worker"
     for name, service in workers.items():
         assert service.get("restart") in RESTART_POLICIES, name
+
+
+def test_every_compose_worker_runs_a_real_command_with_real_settings() -> None:
+    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    known = set(re.findall(r'"(OPLEDGER_[A-Z_]+)"', (ROOT / "ledger/settings.py").read_text()))
+    parser = build_parser()
+    for name, service in services.items():
+        command = service.get("command", [None])
+        if command[0] != "opledger":
+            continue
+        args = parser.parse_args(command[1:])
+        assert isinstance(args.handler, str), name
+        unknown = set(service.get("environment", {})) - known
+        assert not unknown, f"{name} sets variables Settings never reads: {unknown}"
+
+
+def test_every_supervised_worker_but_the_fake_provider_has_a_compose_service() -> None:
+    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    parser = build_parser()
+    in_compose = {
+        parser.parse_args(s["command"][1:]).handler
+        for s in services.values()
+        if s.get("command", [None])[0] == "opledger"
+    }
+    for spec in supervisor.WORKERS:
+        if spec.name == "fake-provider":  # the demo's outside world: local only
+            continue
+        assert parser.parse_args(list(spec.args)).handler in in_compose, spec.name
