@@ -55,16 +55,20 @@ def create_app(
     Run it with ``faust.Worker(app).execute_from_commandline()``. ``instance_id`` must differ
     between processes of the same worker that run at once (the recovery worker scales out).
     """
+    app_id = f"{settings.topic_prefix}-{name}-host"
+    datadir = settings.home / "faust" / app_id
+    # faust creates only the last level of its data directory.
+    datadir.mkdir(parents=True, exist_ok=True)
     app = faust.App(
         # Not the worker's own consumer group name (the recovery group, the projector's
         # commits): faust joins this group with its own protocol, and two protocols in one
         # group are refused by the broker.
-        f"{settings.topic_prefix}-{name}-host",
+        app_id,
         broker=f"kafka://{settings.bootstrap_servers}",
         store="memory://",
         # faust keeps a data directory even for memory tables; by default it lands in the
         # current directory, so it goes with the rest of the local state.
-        datadir=str(settings.home / "faust" / "{conf.name}"),
+        datadir=str(datadir),
         web_enabled=True,
         web_bind=settings.projector_web_bind,
         web_port=settings.projector_web_port if web_port is None else web_port,
