@@ -24,7 +24,7 @@ demo: venv stack
 
 # Any non-zero pytest exit fails the target, including 5 ("no tests collected").
 test: venv stack
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 lint: venv
 	$(BIN)/ruff check .
