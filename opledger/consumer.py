@@ -120,6 +120,17 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     _setup(settings)
     runtime = ConsumerRuntime(settings)
     consumer = QueueConsumer(runtime, args.topic, group_id=args.group)
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server  # noqa: PLC0415
+
+        server, _thread = start_http_server(
+            args.metrics_port, addr=args.host, registry=runtime.registry
+        )
+        print(
+            f"consumer {settings.consumer_name}: metrics on "
+            f"http://{args.host}:{server.server_port}/metrics",
+            flush=True,
+        )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _n, _f: consumer.stop())
     try:
@@ -169,6 +180,15 @@ def register(commands: Any) -> None:
         "queue", help="consume a queue destination's topic with the same deduplication"
     )
     queue_parser.add_argument("--topic", required=True, help="the queue destination's topic")
+    queue_parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve /metrics on this port (0 picks a free one; default: no metrics server)",
+    )
+    queue_parser.add_argument(
+        "--host", default="127.0.0.1", help="address /metrics binds to (127.0.0.1)"
+    )
     queue_parser.add_argument(
         "--group", default=None, help="consumer group (default <prefix>-consumer-<name>)"
     )

@@ -150,6 +150,21 @@ def wait_until(condition: object, what: str, timeout: float = 60) -> None:
 @pytest.mark.parametrize(
     "fault", ["consumer.after_commit_before_publish", "consumer.after_commit_before_response"]
 )
+def queue_metric(port: int, name: str, label: str) -> dict[str, float]:
+    """One counter of a process's ``/metrics``, summed by the value of ``label``."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels[label]
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
 def test_killed_between_commit_and_answer_applies_once_and_loses_no_key(
     consumer_settings: Settings, receiver_process: ConsumerProcess, fault: str
 ) -> None:
@@ -275,9 +290,16 @@ def test_a_queue_consumer_killed_before_its_offset_commit_applies_once(
         assert applied_before and all(n == 1 for n in applied_before.values())
         assert all(offset < 0 for offset in committed().values()), "offsets were committed"
 
+        metrics_port = free_port()
+        queue.argv = (*queue.argv, "--metrics-port", str(metrics_port))
         queue.start()  # Kafka redelivers the batch whose offsets were never committed
         ends = end_offsets(consumer_settings, [topic])
         wait_until(lambda: committed() == ends, f"queue did not catch up: {queue.tail()}", 120)
+        # What the restarted instance says on /metrics: every record handled once, and the
+        # records the killed one had applied recognised as duplicates, not applied again.
+        outcomes = queue_metric(metrics_port, "opledger_consumer_queue_records_total", "outcome")
+        expected = {"accepted": len(ops) - len(applied_before), "duplicate": len(applied_before)}
+        assert outcomes == {outcome: n for outcome, n in expected.items() if n}
     finally:
         queue.kill()
     assert changes(consumer_settings) == Counter(dict.fromkeys(ops, 1))
