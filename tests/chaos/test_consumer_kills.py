@@ -147,9 +147,6 @@ def wait_until(condition: object, what: str, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize(
-    "fault", ["consumer.after_commit_before_publish", "consumer.after_commit_before_response"]
-)
 def queue_metric(port: int, name: str, label: str) -> dict[str, float]:
     """One counter of a process's ``/metrics``, summed by the value of ``label``."""
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
@@ -165,6 +162,9 @@ def queue_metric(port: int, name: str, label: str) -> dict[str, float]:
     return totals
 
 
+@pytest.mark.parametrize(
+    "fault", ["consumer.after_commit_before_publish", "consumer.after_commit_before_response"]
+)
 def test_killed_between_commit_and_answer_applies_once_and_loses_no_key(
     consumer_settings: Settings, receiver_process: ConsumerProcess, fault: str
 ) -> None:
