@@ -20,6 +20,10 @@ from ledger.domain.states import DeliveryState, ExecutionState
 THROTTLE_STATUSES = frozenset({429, 502, 504})
 #: The destination is gone for good: stop sending to it.
 GONE_STATUS = 410
+#: The destination refuses the body as too large. Every send of a delivery carries the very
+#: same bytes, so sending again cannot succeed until the destination's limit changes: dead-letter
+#: at once, for a redrive after that, instead of retrying for the whole schedule.
+TOO_LARGE_STATUS = 413
 
 
 class Outcome(StrEnum):
@@ -66,6 +70,12 @@ def judge(
         return Verdict(
             Outcome.DISABLED,
             reason=f"destination answered 410 Gone ({result.detail}); destination disabled",
+        )
+    if status == TOO_LARGE_STATUS:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"destination refused the body as too large (HTTP 413: {result.detail}); "
+            "every send carries the same bytes, so redrive once the destination accepts them",
         )
     what = "no answer" if status is None else f"HTTP {status}"
     if status is not None and 300 <= status < 400:

@@ -291,6 +291,23 @@ def test_410_dead_letters_and_disables_the_destination(
         receiver.close()
 
 
+def test_413_dead_letters_after_one_send_and_leaves_the_destination_enabled(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    receiver = ScriptedReceiver(SECRET, [Answer(413)])
+    try:
+        rig = rig_factory()
+        rig.webhook("hooks", receiver.url)
+        op = rig.succeeded()
+        rig.until(lambda: rig.state(op, "hooks") is D.DEAD_LETTERED)
+        assert "413" in (rig.delivery(op, "hooks").error or "")
+        assert len(receiver.received) == 1, "the same bytes were sent again"
+        (listed,) = rig.destinations.list(TENANT)
+        assert listed.enabled
+    finally:
+        receiver.close()
+
+
 def test_a_destination_that_never_answers_is_dead_lettered_at_the_horizon_then_redriven_once(
     rig_factory: Callable[..., Rig], isolated: Settings
 ) -> None:

@@ -52,6 +52,13 @@ def test_410_disables_and_says_so() -> None:
     assert "410" in verdict.reason  # type: ignore[attr-defined]
 
 
+def test_413_dead_letters_at_once_since_the_same_bytes_would_be_refused_again() -> None:
+    verdict = _judge(413, attempts=1)
+    assert verdict.outcome is Outcome.DEAD_LETTERED  # type: ignore[attr-defined]
+    assert verdict.next_attempt_at is None  # type: ignore[attr-defined]
+    assert "413" in verdict.reason and "redrive" in verdict.reason  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("status", [429, 502, 504])
 def test_throttle_statuses_wait_and_are_told_apart(status: int) -> None:
     verdict = _judge(status)
