@@ -30,6 +30,7 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
+from ledger.kafka import partition_for
 from ledger.metrics import Metrics
 from ledger.settings import Settings
 from ledger.topics import end_offsets
@@ -159,33 +160,6 @@ def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | Non
 _KINDS = {"execution": {"execution", "ownership", "decision"}, "delivery": {"delivery"}}
 
 
-def murmur2_partition(key: bytes, partitions: int) -> int:
-    """Java's DefaultPartitioner for a keyed record: toPositive(murmur2(key)) % partitions."""
-    m, r, mask = 0x5BD1E995, 24, 0xFFFFFFFF
-    length = len(key)
-    h = (0x9747B28C ^ length) & mask
-    for i in range(0, length - length % 4, 4):
-        k = int.from_bytes(key[i : i + 4], "little")
-        k = (k * m) & mask
-        k ^= k >> r
-        k = (k * m) & mask
-        h = (h * m) & mask
-        h ^= k
-    tail = length % 4
-    base = length - tail
-    if tail == 3:
-        h ^= key[base + 2] << 16
-    if tail >= 2:
-        h ^= key[base + 1] << 8
-    if tail >= 1:
-        h ^= key[base]
-        h = (h * m) & mask
-    h ^= h >> 13
-    h = (h * m) & mask
-    h ^= h >> 15
-    return (h & 0x7FFFFFFF) % partitions
-
-
 def accepted_event(
     settings: Settings,
     topic: str,
@@ -205,7 +179,7 @@ def accepted_event(
         return None  # a record the codec reads, but not one of these topics' records
     if key != event.operation_id.encode():
         return None
-    if partition is not None and partition != murmur2_partition(key, settings.partitions):
+    if partition is not None and partition != partition_for(key, settings.partitions):
         return None
     return event
 

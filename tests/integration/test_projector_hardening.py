@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from ledger.codec import default_codec
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.kafka import partition_for
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
@@ -26,7 +27,6 @@ from tests.support import (
     assert_projection_matches,
     caught_up,
     independent_fold,
-    murmur2_partition,
     produce,
     project_in_process,
     read_all,
@@ -251,7 +251,7 @@ def test_a_record_on_the_wrong_partition_is_dead_lettered(isolated: Settings) ->
     can never order it differently."""
     intent, dispatched = [e for e in _events(1, seed=31)[0:2]]
     key = intent.operation_id.encode()
-    home = murmur2_partition(key, isolated.partitions)
+    home = partition_for(key, isolated.partitions)
     stray = (home + 1) % isolated.partitions
     producer = Producer({"bootstrap.servers": isolated.bootstrap_servers})
     codec = default_codec()

@@ -33,6 +33,7 @@ from consumers.keystore import (
 from consumers.receiver import problem_response
 from consumers.signatures import SignatureVerifier
 from ledger.domain.ids import operation_id
+from ledger.kafka import partition_for
 from tests.consumer_support import (
     DESTINATION,
     OTHER_SECRET,
@@ -42,7 +43,6 @@ from tests.consumer_support import (
     sign,
     signed_headers,
 )
-from tests.support import murmur2_partition
 
 OP = operation_id(1_767_000_000_000, bytes(range(10)))
 ids = st.builds(
@@ -453,8 +453,10 @@ def test_the_positional_read_agrees_with_json(accepted_at: str) -> None:
 
 @given(ids, st.integers(min_value=1, max_value=64))
 def test_keys_are_on_their_operations_partition(op_id: str, partitions: int) -> None:
-    # murmur2_partition is the tests' own implementation of Java's partitioner.
-    assert partition_of(op_id, partitions) == murmur2_partition(op_id.encode(), partitions)
+    # The key store is co-partitioned with the ledger's topics: the partition librdkafka puts
+    # an operation's records on (ledger.kafka.partition_for, checked against the broker in
+    # tests/integration/test_producer.py and against Kafka's own vectors in test_kafka_config).
+    assert partition_of(op_id, partitions) == partition_for(op_id.encode(), partitions)
 
 
 def test_fresh_ids_parse() -> None:

@@ -1,0 +1,25 @@
+"""``ledger.kafka.partition_for`` against Kafka's own murmur2 vectors (``UtilsTest.testMurmur2``
+in apache/kafka): readers find an operation's records by it, so it must agree with the Java
+partitioner bit for bit. Where librdkafka actually puts records is checked against the broker in
+``tests/integration/test_producer.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger.kafka import partition_for
+
+#: key -> Utils.murmur2(key), as Kafka's test states them (signed 32-bit).
+KAFKA_VECTORS = {
+    b"21": -973932308,
+    b"foobar": -790332482,
+    b"a-little-bit-long-string": -985981536,
+    b"a-little-bit-longer-string": -1486304829,
+}
+
+
+@pytest.mark.parametrize(("key", "murmur2"), KAFKA_VECTORS.items())
+def test_partition_for_is_javas_to_positive_murmur2(key: bytes, murmur2: int) -> None:
+    # With 2**31 partitions the modulo keeps every bit toPositive leaves.
+    assert partition_for(key, 2**31) == murmur2 & 0x7FFFFFFF
+    assert partition_for(key, 6) == (murmur2 & 0x7FFFFFFF) % 6
