@@ -61,6 +61,7 @@ from ledger.records import (
     SourcedPolicyChange,
 )
 from ledger.settings import Settings
+from processors.health import Health
 
 log = logging.getLogger("opledger.projector")
 
@@ -205,41 +206,6 @@ class _Read:
         return self.item.coordinates
 
 
-class Health:
-    """Whether the projector is making progress, for ``/healthz``. A live process proves little:
-    this says whether it is stuck waiting for PostgreSQL or the broker, and since when."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.progressing = True
-        self.reason: str | None = None
-        self.since = time.monotonic()
-        self.batches = 0
-
-    def ok(self, batches: int = 0) -> None:
-        with self._lock:
-            self.batches += batches
-            if not self.progressing:
-                log.info("projector progressing again after %.1fs", time.monotonic() - self.since)
-                self.progressing, self.reason, self.since = True, None, time.monotonic()
-
-    def stalled(self, reason: str) -> None:
-        with self._lock:
-            if self.progressing:
-                self.progressing, self.since = False, time.monotonic()
-            self.reason = reason
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "status": "ok" if self.progressing else "stalled",
-                "progressing": self.progressing,
-                "reason": self.reason,
-                "for_s": round(time.monotonic() - self.since, 1),
-                "batches": self.batches,
-            }
-
-
 class BatchProjector:
     """Reads the execution, delivery and policy topics in batches and hands each batch to a
     :class:`ProjectionSink`."""
@@ -277,11 +243,11 @@ class BatchProjector:
         #: paused delivery (topic, partition) -> execution position it waits for
         self._waiting: dict[tuple[str, int], int] = {}
         self._kafka_checked_at = 0.0
-        self.health = Health()
+        self.health = Health("projector", unit="batches")
 
     @property
     def batches(self) -> int:
-        return self.health.batches
+        return self.health.done
 
     def stop(self) -> None:
         self._stopping.set()
@@ -393,7 +359,7 @@ class BatchProjector:
         self._published.clear()
         self._backoff_s = 0.0
         self._kafka_down = None
-        self.health.ok(batches=1)
+        self.health.ok()
         return report
 
     def _decode(self, messages: Sequence[Any]) -> list[_Read]:
@@ -583,7 +549,7 @@ class BatchProjector:
             return
         log.info("kafka broker reachable again")
         self._kafka_down = None
-        self.health.ok()
+        self.health.ok(done=0)
 
     def _wait_backoff(self) -> None:
         self._backoff_s = min(max(self._backoff_s * 2, 0.1), self._max_backoff_s)

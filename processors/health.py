@@ -3,26 +3,35 @@ but not progressing (its database or broker away) says so, with the reason and f
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
+log = logging.getLogger("opledger.health")
+
 
 class Health:
-    """Whether the worker is doing its job, for ``/healthz``."""
+    """Whether the worker is doing its job, for ``/healthz``. ``unit`` names what ``ok`` counts
+    (a recovery or delivery pass, a projector batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: str = "worker", unit: str = "passes") -> None:
         self._lock = threading.Lock()
+        self._worker = worker
+        self._unit = unit
         self.progressing = True
         self.reason: str | None = None
         self.since = time.monotonic()
-        self.passes = 0
+        self.done = 0
         self.partitions: tuple[int, ...] = ()
 
-    def ok(self) -> None:
+    def ok(self, done: int = 1) -> None:
         with self._lock:
-            self.passes += 1
+            self.done += done
             if not self.progressing:
+                log.info(
+                    "%s progressing again after %.1fs", self._worker, time.monotonic() - self.since
+                )
                 self.progressing, self.reason, self.since = True, None, time.monotonic()
 
     def stalled(self, reason: str) -> None:
@@ -38,6 +47,6 @@ class Health:
                 "progressing": self.progressing,
                 "reason": self.reason,
                 "for_s": round(time.monotonic() - self.since, 1),
-                "passes": self.passes,
+                self._unit: self.done,
                 "partitions": list(self.partitions),
             }

@@ -192,7 +192,7 @@ class DeliveryWorker:
         self._in_flight: _InFlight | None = None
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
-        self.health = Health()
+        self.health = Health("delivery worker")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ class DeliveryWorker:
         self.join()
         try:
             while not self._stopping.is_set() and (
-                max_passes is None or self.health.passes < max_passes
+                max_passes is None or self.health.done < max_passes
             ):
                 self.run_once()
         finally:

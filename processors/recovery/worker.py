@@ -169,7 +169,7 @@ class RecoveryWorker:
         self._backoff: dict[str, tuple[float, timedelta]] = {}
         self._warned_tools: set[str] = set()
         self._parked_checked_at = 0.0
-        self.health = Health()
+        self.health = Health("recovery worker")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class RecoveryWorker:
         interval = self._settings.recovery_interval_ms / 1000
         try:
             while not self._stopping.is_set() and (
-                max_passes is None or self.health.passes < max_passes
+                max_passes is None or self.health.done < max_passes
             ):
                 self.poll_group(interval)
                 self.run_once()
