@@ -455,7 +455,8 @@ def test_the_positional_read_agrees_with_json(accepted_at: str) -> None:
 def test_keys_are_on_their_operations_partition(op_id: str, partitions: int) -> None:
     # The key store is co-partitioned with the ledger's topics: the partition librdkafka puts
     # an operation's records on (ledger.kafka.partition_for, checked against the broker in
-    # tests/integration/test_producer.py and against Kafka's own vectors in test_kafka_config).
+    # tests/integration/test_producer.py, and against Kafka's own vectors in
+    # tests/unit/test_partitioner.py).
     assert partition_of(op_id, partitions) == partition_for(op_id.encode(), partitions)
 
 
