@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import CollectorRegistry
@@ -161,3 +163,83 @@ def test_lag_gauge_tracks_unprojected_records(isolated: Settings) -> None:
     finally:
         projector.close()
         sink.close()
+
+
+def _interleaved(count: int, seed: int) -> list:
+    """The workload's events with operations interleaved, so each operation spans batches."""
+    per_operation = [list(op) for op in Workload(seed=seed).operations(count)]
+    events = []
+    while any(per_operation):
+        for op in per_operation:
+            if op:
+                events.append(op.pop(0))
+    return events
+
+
+def _batches(settings: Settings, events: list, size: int) -> list[ProjectionBatch]:
+    """Consecutive batches as one reader of partition 0 of both topics would fetch them."""
+    batches = []
+    for start in range(0, len(events), size):
+        chunk = events[start : start + size]
+        items = [
+            SourcedEvent(
+                Coordinates(
+                    settings.execution_topic if e.kind == "execution" else settings.delivery_topic,
+                    0,
+                    start + i,
+                ),
+                e,
+                0,
+            )
+            for i, e in enumerate(chunk)
+        ]
+        end = start + len(chunk)
+        batches.append(
+            ProjectionBatch(
+                items, [], {(settings.execution_topic, 0): end, (settings.delivery_topic, 0): end}
+            )
+        )
+    return batches
+
+
+def _tables(settings: Settings) -> tuple[list[Any], ...]:
+    with psycopg.connect(settings.dsn) as conn:
+        return (
+            conn.execute("SELECT * FROM agent_operations ORDER BY operation_id").fetchall(),
+            conn.execute("SELECT * FROM deliveries ORDER BY operation_id, destination").fetchall(),
+            conn.execute(
+                "SELECT event_id, outcome FROM operation_history ORDER BY event_id, outcome"
+            ).fetchall(),
+            conn.execute("SELECT count(*) FROM anomalies").fetchall(),
+        )
+
+
+def test_two_projections_taking_turns_fold_from_the_stored_rows(isolated: Settings) -> None:
+    """Each projection keeps the rows it committed in memory; when another one (a zombie and
+    its replacement sharing the consumer name) commits in between, the rows it kept are stale
+    and must not be folded from: the tables must equal one projection's."""
+    batches = _batches(isolated, _interleaved(120, seed=21), size=40)
+    assert len(batches) > 6
+    first, second = (
+        PostgresProjection.connect(isolated.dsn),
+        PostgresProjection.connect(isolated.dsn),
+    )
+    try:
+        for i, batch in enumerate(batches):
+            (first if (i // 2) % 2 == 0 else second).project("test", batch)
+    finally:
+        first.close()
+        second.close()
+    taking_turns = _tables(isolated)
+    with psycopg.connect(isolated.dsn) as conn:
+        conn.execute(
+            "TRUNCATE operation_history, agent_operations, deliveries, anomalies, projector_offsets"
+        )
+    alone = PostgresProjection.connect(isolated.dsn)
+    try:
+        for batch in batches:
+            alone.project("test", batch)
+    finally:
+        alone.close()
+    assert taking_turns == _tables(isolated)
+    assert len(taking_turns[0]) == 120 and taking_turns[1]
