@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ledger.entropy import entropy
 from ledger.settings import Settings
 
 if TYPE_CHECKING:
@@ -429,7 +430,7 @@ def _default_by() -> str:
 
 
 def _entropy() -> bytes:
-    return os.urandom(10)
+    return entropy(10)
 
 
 # -- writing and waiting --------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import random
 import threading
 import time
@@ -55,6 +54,7 @@ from ledger.domain.fold import Applied, DeliveryRecord, ExecutionRecord, apply_d
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader
@@ -730,7 +730,7 @@ class DeliveryWorker:
         next_attempt_at: datetime | None = None,
     ) -> DeliveryTransitioned:
         return DeliveryTransitioned(
-            event_id=ids.event_id(time.time_ns() // 1_000_000, os.urandom(10)),
+            event_id=ids.event_id(time.time_ns() // 1_000_000, entropy(10)),
             operation_id=record.operation_id,
             tenant_id=record.tenant_id,
             actor_id=DELIVERY_WORKER,

@@ -25,7 +25,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -52,6 +51,7 @@ from ledger.domain.fold import Applied, ExecutionRecord, apply_control, apply_ex
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.reconcile import Decision, LookupStatus, decide
 from ledger.domain.states import ExecutionState
+from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader, Snapshot
@@ -927,7 +927,7 @@ class RecoveryWorker:
         self._backoff[operation_id] = (time.monotonic() + delay.total_seconds(), delay)
 
     def _event_id(self) -> str:
-        return ids.event_id(time.time_ns() // 1_000_000, os.urandom(10))
+        return ids.event_id(time.time_ns() // 1_000_000, entropy(10))
 
     def _report_parked(self, every_s: float = 5.0) -> None:
         now = time.monotonic()
