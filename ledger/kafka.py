@@ -9,6 +9,7 @@ written once, then summarised, instead of flooding the log.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -135,10 +136,27 @@ def admin_config(settings: Settings, *, client_id: str = "opledger-admin") -> di
     return _common(settings, client_id)
 
 
+#: Keys up to this long (operation ids are 29 bytes) have their partition remembered.
+_CACHED_KEY_BYTES = 64
+
+
 def partition_for(key: bytes, partitions: int) -> int:
     """The partition Java's default partitioner (and librdkafka's ``murmur2_random`` for a
     non-empty key) puts ``key`` on: ``toPositive(murmur2(key)) % partitions``. Readers use it to
     find an operation's records without scanning every partition."""
+    # Every event of an operation asks again (the projector checks each record's partition,
+    # the history reader each operation's): murmur2 in Python is ~10 µs, a hit ~0.2 µs.
+    if len(key) <= _CACHED_KEY_BYTES:
+        return _remembered_partition(key, partitions)
+    return _murmur2_partition(key, partitions)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _remembered_partition(key: bytes, partitions: int) -> int:
+    return _murmur2_partition(key, partitions)
+
+
+def _murmur2_partition(key: bytes, partitions: int) -> int:
     m, r, mask = 0x5BD1E995, 24, 0xFFFFFFFF
     length = len(key)
     h = (0x9747B28C ^ length) & mask

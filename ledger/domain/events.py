@@ -6,6 +6,7 @@ One record type per state machine, with the state it moved to. Field names and m
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
@@ -50,9 +51,15 @@ def _no_secret(value: str | None, info: ValidationInfo) -> str | None:
 def _no_named_secret(value: str | None, info: ValidationInfo) -> str | None:
     # Identifiers (a provider's call id, a destination) are random by nature, so only the shapes
     # that name a credential (keys, tokens, URLs with a password...) are refused in them.
-    if value is not None and not _reading(info) and looks_secret(value, heuristic=False):
+    if value is not None and not _reading(info) and _names_a_secret(value):
         raise ValueError("looks like it holds a credential; redact it before recording")
     return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_a_secret(identifier: str) -> bool:
+    # A worker writes the same few destinations in every event: each is checked once.
+    return looks_secret(identifier, heuristic=False)
 
 
 Identifier = Annotated[
