@@ -26,7 +26,7 @@ def utc_micros(value: datetime) -> int:
 
 
 # Field kinds of the direct reader/writer: the only Avro types the opledger records use.
-_STRING, _INT, _TIMESTAMP, _ENUM = 0, 1, 2, 3
+_STRING, _INT, _TIMESTAMP, _ENUM, _BOOLEAN = 0, 1, 2, 3, 4
 _VARINT_BYTE = [bytes((i,)) for i in range(128)]
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
 
@@ -40,6 +40,8 @@ def _field_kind(avro_type: Any) -> tuple[int, tuple[str, ...]] | None:
         return _STRING, ()
     if avro_type in ("int", "long"):
         return _INT, ()
+    if avro_type == "boolean":
+        return _BOOLEAN, ()
     if isinstance(avro_type, dict):
         if avro_type.get("type") == "long" and avro_type.get("logicalType") == "timestamp-micros":
             return _TIMESTAMP, ()
@@ -53,7 +55,7 @@ class PlainRecord:
     fastavro's generic, schema-walking reader (about 3x faster per record here; decode and
     encode are the largest per-event costs of the projector and the SDK).
 
-    Only for a record whose fields are all string, int, long, timestamp-micros, enum or
+    Only for a record whose fields are all string, int, long, boolean, timestamp-micros, enum or
     ``["null", one of those]``, read with the same schema that wrote it; anything else
     (archived writer schemas, other types) goes through fastavro. The bytes and the values are
     the ones fastavro writes and reads (checked against fastavro on random events and on
@@ -109,6 +111,10 @@ class PlainRecord:
                     out.append(value << 1)
                 else:
                     _write_long(out, value)
+            elif kind == _BOOLEAN:
+                if not isinstance(value, bool):
+                    raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+                out += b"\x01" if value else b"\x00"
             elif kind == _TIMESTAMP:
                 if not isinstance(value, datetime) or value.tzinfo is None:
                     # fastavro reads a naive datetime as local time; events are always aware.
@@ -137,6 +143,15 @@ class PlainRecord:
                         continue
                     if branch != 1:
                         raise CorruptBodyError(f"{name}: union branch {branch} out of range")
+                if kind == _BOOLEAN:
+                    # One byte, 0 or 1 (fastavro reads any other byte as true; written back it
+                    # would not be these bytes, which the fastavro path refuses as well).
+                    flag = data[pos]
+                    pos += 1
+                    if flag > 1:
+                        raise CorruptBodyError(f"{name}: boolean byte {flag} is neither 0 nor 1")
+                    datum[name] = flag == 1
+                    continue
                 # Inline fast path for one-byte varints (lengths, attempts, enum indexes).
                 n = data[pos]
                 pos += 1
