@@ -43,9 +43,24 @@ def _reading(info: ValidationInfo) -> bool:
 def _no_secret(value: str | None, info: ValidationInfo) -> str | None:
     # Events are kept forever: a credential in an error text could never be taken back, so the
     # contract refuses it when the event is written.
-    if value is not None and not _reading(info) and looks_secret(value):
+    if value is not None and not _reading(info) and _holds_a_secret(value):
         raise ValueError("looks like it holds a credential; redact it before recording")
     return value
+
+
+#: Texts up to this long have their verdict remembered (workers repeat the same reasons).
+_REMEMBERED_TEXT = 512
+
+
+def _holds_a_secret(text: str) -> bool:
+    if len(text) <= _REMEMBERED_TEXT:
+        return _remembered_verdict(text)
+    return looks_secret(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_verdict(text: str) -> bool:
+    return looks_secret(text)
 
 
 def _no_named_secret(value: str | None, info: ValidationInfo) -> str | None:
