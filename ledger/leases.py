@@ -143,8 +143,11 @@ class LeaseStore:
     ) -> dict[str, Lease]:
         """Take the leases of ``(operation_id, tenant_id)`` pairs that expired or that this owner
         already holds (all of them with ``force``, which a cancel uses), with a higher token;
-        returns the ones taken. An operation with no lease row (a writer without leases) gets
-        token 1."""
+        returns the ones taken. An operation with no lease row gets token 2: token 1 is its
+        creator's, which its intent may carry though the lease was never stored (a fresh
+        operation's lease is committed while its intent is in flight, and may fail), and a
+        claim with the token already recorded would be fenced. (A writer without leases
+        records no token: 2 is above that too.)"""
         pairs = list(operations)
         if not pairs:
             return {}
@@ -158,7 +161,7 @@ class LeaseStore:
                        ), fresh AS (
                            INSERT INTO operation_leases
                                (operation_id, tenant_id, token, owner, expires_at)
-                           SELECT op, tenant, 1, %s, now() + %s FROM wanted
+                           SELECT op, tenant, 2, %s, now() + %s FROM wanted
                            ON CONFLICT (operation_id) DO NOTHING
                            RETURNING operation_id, tenant_id, token
                        ), taken AS (

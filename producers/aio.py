@@ -33,12 +33,22 @@ from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import IllegalTransitionError
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, Provider, is_async
-from ledger.transport import Transport
+from ledger.transport import OutgoingRecord, Positions, SplitTransport, Transport
 from producers import execution
 from producers.execution import Execution
 from producers.operation import TrackedOperation, as_aware
 from producers.recorder import Plan, RecorderCore, RecorderOptions, clean_error
-from producers.steps import Blocking, Call, Effect, Record, Send, Stepper, Steps, T
+from producers.steps import (
+    Blocking,
+    Call,
+    Effect,
+    Record,
+    Send,
+    Stepper,
+    Steps,
+    T,
+    alongside_outcome,
+)
 
 
 class AsyncTransitionRecorder(RecorderCore):
@@ -102,8 +112,8 @@ class AsyncTransitionRecorder(RecorderCore):
         *,
         lease_ttl: timedelta | None = None,
     ) -> TrackedOperation:
-        """See :meth:`TransitionRecorder.intent` (the lease and request are stored first, off
-        the event loop)."""
+        """See :meth:`TransitionRecorder.intent` (the lease and request are stored off the event
+        loop, while the intent's acknowledgement is awaited when the id is a fresh one)."""
         return await self._drive(
             self._intent_steps(
                 tenant_id, actor_id, tool_name, arguments, operation_id, lease_ttl=lease_ttl
@@ -282,8 +292,10 @@ class AsyncTransitionRecorder(RecorderCore):
         """Do what a step asks for without blocking the event loop (see ``producers.steps``)."""
         loop = asyncio.get_running_loop()
         if isinstance(effect, Record):
-            return await self._run([effect.handle], effect.planner)
+            return await self._run([effect.handle], effect.planner, effect.alongside)
         if isinstance(effect, Send):
+            if effect.alongside is not None:
+                return await self._send_alongside(effect.records, effect.alongside)
             send_async = getattr(self._transport, "send_async", None)
             if send_async is not None:
                 return await send_async(effect.records)
@@ -295,6 +307,31 @@ class AsyncTransitionRecorder(RecorderCore):
             return await self._call(effect)
         await asyncio.sleep(effect.seconds)
         return None
+
+    async def _send_alongside(
+        self, records: Sequence[OutgoingRecord], work: Callable[[], None]
+    ) -> Positions | None:
+        """Hand ``records`` over, run ``work`` on the store's threads while they are in flight,
+        then await them (``producers.steps.Send``; asked only of a SplitTransport)."""
+        transport = cast(SplitTransport, self._transport)
+        submitted: Any = None
+        positions: Positions | None = None
+        send_error: Exception | None = None
+        work_error: Exception | None = None
+        try:
+            submitted = transport.submit(records)
+        except Exception as exc:
+            send_error = exc
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._store_pool, work)
+        except Exception as exc:
+            work_error = exc
+        if send_error is None:
+            try:
+                positions = await transport.wait_async(submitted)
+            except Exception as exc:
+                send_error = exc
+        return cast(Positions | None, alongside_outcome(positions, send_error, work_error))
 
     async def _call(self, call: Call) -> CallOutcome:
         provider = call.provider
@@ -321,9 +358,12 @@ class AsyncTransitionRecorder(RecorderCore):
             raise gave_up from None
 
     async def _run(
-        self, handles: Iterable[TrackedOperation], planner: Callable[[], Plan | None]
+        self,
+        handles: Iterable[TrackedOperation],
+        planner: Callable[[], Plan | None],
+        alongside: Callable[[], None] | None = None,
     ) -> bool:
         async with contextlib.AsyncExitStack() as stack:
             for handle in sorted(handles, key=lambda h: h.operation_id):
                 await stack.enter_async_context(handle.async_lock)
-            return await self._drive(self._append_steps(planner))
+            return await self._drive(self._append_steps(planner, alongside))

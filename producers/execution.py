@@ -7,9 +7,12 @@ calls that let a process load an operation and carry it on under a new lease.
     async with AsyncTransitionRecorder.connect(settings, providers=[email]) as recorder:
         done = await recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
 
-``execute`` records the intent (taking the lease and storing the request first), checks policy,
-records the dispatch, checks the lease is still this process's, calls the provider with the
-operation id as idempotency key, stores the result and records the outcome. Lost contact (a
+``execute`` records the intent (taking the lease and storing the request in one commit), checks
+policy, records the dispatch, checks the lease is still this process's, calls the provider with
+the operation id as idempotency key, stores the result and records the outcome. The lease's
+commit (for an id ``execute`` made, nobody else's) and the policy read run while the intent's
+acknowledgement is in flight; neither the dispatch nor the call happens before all three are
+done. Lost contact (a
 timeout, a reset) becomes UNKNOWN - an answer, not an exception the caller might retry - and the
 lease is released so the recovery worker reconciles it at once. An append whose acknowledgement
 is lost is resent (the identical event) a few times before the error is raised. An
@@ -124,15 +127,24 @@ def execute(
             if earlier is not None:
                 return earlier
         ttl = provider.terms.call_timeout + LEASE_MARGIN
+        early = _EarlyPolicy(core, tenant_id, actor_id, provider)
         try:
             handle = yield from core._intent_steps(
-                tenant_id, actor_id, tool_name, arguments, op_id, lease_ttl=ttl
+                tenant_id,
+                actor_id,
+                tool_name,
+                arguments,
+                op_id,
+                lease_ttl=ttl,
+                fresh=operation_id is None,
+                alongside=early.read if core._policy is not None else None,
             )
         except DeliveryError as exc:
             handle = exc.handle
             yield from recorded(core, handle, lambda: core._plan_resend(handle))
+            early.decision = None  # the resends took a while: policy is read again, right here
         fault_point("execute.after_intent_before_dispatch")
-        return (yield from _dispatch_and_call(core, handle, provider, arguments))
+        return (yield from _dispatch_and_call(core, handle, provider, arguments, early.decision))
 
 
 def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
@@ -286,9 +298,17 @@ def _dispatch_and_call(
     handle: TrackedOperation,
     provider: Provider | AsyncProvider,
     arguments: Any,
+    decision: PolicyDecision | None = None,
 ) -> Steps[Execution]:
+    """Policy (``decision`` when it was already read), dispatch, the lease check, the call and
+    its outcome."""
+    if core._leases is not None and handle.lease is None:
+        raise LeaseLostError(
+            f"{handle.operation_id}: not held under a lease; nothing was dispatched or called"
+        )
     execution = handle.require_execution()
-    decision = yield from _check_policy(core, execution.tenant_id, execution.actor_id, provider)
+    if decision is None:
+        decision = yield from _check_policy(core, execution.tenant_id, execution.actor_id, provider)
     if not decision.allowed:
         reason = f"refused by policy {decision.version or '(no grant)'}: {decision.reason}"
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=reason))
@@ -345,7 +365,16 @@ def _check_policy(
         # No policy store was configured (a recorder built by hand, in tests): say so in
         # the record rather than pretend a check happened.
         return PolicyDecision(True, "no policy store configured", None)
-    request = PolicyRequest(
+    decision: PolicyDecision = yield Blocking(
+        lambda: policy(_policy_request(tenant_id, actor_id, provider))
+    )
+    return decision
+
+
+def _policy_request(
+    tenant_id: str, actor_id: str, provider: Provider | AsyncProvider
+) -> PolicyRequest:
+    return PolicyRequest(
         tenant_id=tenant_id,
         actor_id=actor_id,
         tool_name=provider.tool_name,
@@ -353,8 +382,32 @@ def _check_policy(
         now=datetime.now(UTC),
         required_scope=provider.terms.required_scope,
     )
-    decision: PolicyDecision = yield Blocking(lambda: policy(request))
-    return decision
+
+
+class _EarlyPolicy:
+    """``execute``'s policy read, done while the intent's acknowledgement is in flight (and
+    after the lease, when both are): a read made before the dispatch, as when it followed the
+    acknowledgement, and the decision it returns is the one acted on and reported."""
+
+    __slots__ = ("_actor_id", "_core", "_provider", "_tenant_id", "decision")
+
+    def __init__(
+        self,
+        core: RecorderCore,
+        tenant_id: str,
+        actor_id: str,
+        provider: Provider | AsyncProvider,
+    ) -> None:
+        self._core = core
+        self._tenant_id = tenant_id
+        self._actor_id = actor_id
+        self._provider = provider
+        self.decision: PolicyDecision | None = None
+
+    def read(self) -> None:
+        policy = self._core._policy
+        if policy is not None:
+            self.decision = policy(_policy_request(self._tenant_id, self._actor_id, self._provider))
 
 
 def _report(

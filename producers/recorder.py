@@ -22,7 +22,6 @@ the steps of an append and of ``intent`` (``producers.steps``; ``execute``'s are
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -50,6 +49,7 @@ from ledger.domain.states import (
     DeliveryState,
     ExecutionState,
 )
+from ledger.entropy import entropy as entropy_pool
 from ledger.errors import (
     ConflictError,
     DeliveryError,
@@ -72,6 +72,8 @@ from ledger.transport import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
     OutgoingRecord,
+    Positions,
+    SplitTransport,
     Transport,
 )
 from producers import execution
@@ -86,7 +88,18 @@ from producers.operation import (
     next_delivery_attempt,
     next_execution_attempt,
 )
-from producers.steps import Blocking, Call, Effect, Record, Send, Stepper, Steps, T
+from producers.steps import (
+    AlongsideError,
+    Blocking,
+    Call,
+    Effect,
+    Record,
+    Send,
+    Stepper,
+    Steps,
+    T,
+    alongside_outcome,
+)
 
 SCHEMA_HEADER = "opledger-schema"
 TENANT_HEADER = "tenant_id"
@@ -101,7 +114,7 @@ class Closeable(Protocol):
 
 """Nanoseconds since the epoch (``time.time_ns``)."""
 Entropy = Callable[[int], bytes]
-"""``n`` random bytes (``os.urandom``)."""
+"""``n`` random bytes (``ledger.entropy``: the kernel's, a block at a time)."""
 
 
 def _policy_check(pool: Any) -> PolicyCheck | None:
@@ -195,7 +208,7 @@ class RecorderCore:
         *,
         results: ResultStore | None = None,
         clock_ns: Clock = time.time_ns,
-        entropy: Entropy = os.urandom,
+        entropy: Entropy = entropy_pool,
         codec: Codec | None = None,
         metrics: Metrics | None = None,
         owns: Sequence[Closeable] = (),
@@ -208,6 +221,8 @@ class RecorderCore:
         if not self.awaits_providers:
             providers = _synchronous(providers)
         self._transport = transport
+        # Whether a send can do other work while its acknowledgements are in flight.
+        self._splits = isinstance(transport, SplitTransport)
         self._owned = list(owns)
         self._settings = settings
         self._clock_ns = clock_ns
@@ -290,8 +305,14 @@ class RecorderCore:
         operation_id: str | None,
         *,
         lease_ttl: timedelta | None,
+        fresh: bool | None = None,
+        alongside: Callable[[], None] | None = None,
     ) -> Steps[TrackedOperation]:
-        """``intent`` (see :meth:`TransitionRecorder.intent`)."""
+        """``intent`` (see :meth:`TransitionRecorder.intent`). ``fresh``: the id was made by this
+        recorder (by default, when none is given); ``alongside``: blocking work to do while the
+        intent's acknowledgement is in flight (``execute``'s policy read), after the lease."""
+        if fresh is None:
+            fresh = operation_id is None
         handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
         request, request_hash = canonical_request(tool_name, arguments)
         # Validated before the lease is taken: nothing is stored for an intent that cannot be.
@@ -304,19 +325,42 @@ class RecorderCore:
             lease_token=None if self._leases is None else FIRST_TOKEN,
         )
         leases = self._leases
-        if leases is not None:
-            ttl = self._lease_ttl if lease_ttl is None else lease_ttl
-            handle.lease = yield Blocking(
-                lambda: leases.create(
-                    handle.operation_id,
-                    tenant_id,
-                    ttl,
-                    tool_name=tool_name,
-                    request_hash=request_hash,
-                    request=request,
-                )
+
+        def plan() -> Plan | None:
+            return self._plan_events(handle, [event])
+
+        if leases is None:
+            yield Record(handle, plan, alongside)
+            return handle
+        ttl = self._lease_ttl if lease_ttl is None else lease_ttl
+
+        def take_lease() -> None:
+            handle.lease = leases.create(
+                handle.operation_id,
+                tenant_id,
+                ttl,
+                tool_name=tool_name,
+                request_hash=request_hash,
+                request=request,
             )
-        yield Record(handle, lambda: self._plan_events(handle, [event]))
+
+        if not fresh:
+            # The caller's id may be someone else's: nothing is appended before it is ours.
+            yield Blocking(take_lease)
+            yield Record(handle, plan, alongside)
+            return handle
+
+        def take_lease_then_alongside() -> None:
+            take_lease()
+            if alongside is not None:
+                alongside()
+
+        # An id this recorder just made is nobody else's, so the lease's commit and the
+        # intent's acknowledgement are waited for together, not one after the other. If the
+        # lease fails, its error is raised and nothing more is appended: the log may then hold
+        # this intent (token 1) with no lease and no stored request, which the recovery worker
+        # takes over at once and parks, never dispatches.
+        yield Record(handle, plan, take_lease_then_alongside)
         return handle
 
     def _step(
@@ -567,10 +611,16 @@ class RecorderCore:
 
     # -- appending (the handles' locks held) ---------------------------------------------------
 
-    def _append_steps(self, planner: Callable[[], Plan | None]) -> Steps[bool]:
-        """Plan, store the result payload, send, settle: False when nothing needed sending."""
+    def _append_steps(
+        self, planner: Callable[[], Plan | None], alongside: Callable[[], None] | None = None
+    ) -> Steps[bool]:
+        """Plan, store the result payload, send, settle: False when nothing needed sending.
+        ``alongside`` runs while the records are in flight (:class:`~producers.steps.Send`);
+        if it raises, its error is raised once the records' fate is known."""
         plan = planner()
         if plan is None:
+            if alongside is not None:
+                yield Blocking(alongside)
             return False
         payload = plan.payload
         if payload is not None:
@@ -585,10 +635,24 @@ class RecorderCore:
             # a retried call stores again as a no-op.
             yield Blocking(lambda: results.put(*payload))
             fault_point("producer.after_result_write_before_record")
+        if alongside is not None and not (
+            self._splits and cast(SplitTransport, self._transport).warm
+        ):
+            # This transport only sends and waits in one go, or its producer is too fresh to
+            # send at once (SplitTransport.warm): the work first, and nothing is sent if it
+            # fails.
+            yield Blocking(alongside)
+            alongside = None
         records = plan.records
         started = time.monotonic()
-        with self._sending(plan):
-            yield Send(records)
+        failed: AlongsideError | None = None
+        try:
+            with self._sending(plan):
+                yield Send(records, alongside)
+        except AlongsideError as exc:
+            failed = exc
+        if failed is not None:
+            raise failed.error  # outside the handler: not shown as raised while handling it
         self._settle(plan)
         self._observe(records, time.monotonic() - started)
         return True
@@ -598,6 +662,16 @@ class RecorderCore:
         """Leave ``plan``'s handles in doubt when its send fails or is interrupted."""
         try:
             yield
+        except AlongsideError as exc:
+            # The work beside the send failed (its error is the call's); the handles are left
+            # as the broker answered: settled, or in doubt.
+            if exc.send_error is None:
+                self._settle(plan)
+            elif isinstance(exc.send_error, RecordError):
+                self._doubt(plan, exc.send_error)
+            else:
+                self._doubt(plan, DeliveryError(f"the Kafka client failed: {exc.send_error!r}"))
+            raise
         except RecordError as exc:
             raise self._doubt(plan, exc) from None
         except Exception as exc:  # the client itself failed: the outcome is unknown
@@ -799,8 +873,18 @@ class TransitionRecorder(RecorderCore):
         """Record INTENT_RECORDED for a new operation; returns its handle once acknowledged.
 
         With a lease store (``connect`` has one), the operation's lease (token 1, for
-        ``lease_ttl``) and its request are stored first, in one commit: the request lets a
-        recovery worker dispatch the intent if this process goes away before it does.
+        ``lease_ttl``) and its request are stored in one commit: the request lets a recovery
+        worker dispatch the intent if this process goes away before it does. For an id this
+        recorder makes, nobody else's, the commit runs while the intent's acknowledgement is in
+        flight, and the handle comes back once both are done; for an ``operation_id`` passed in,
+        which may be someone else's, the lease comes first and nothing is sent without it.
+
+        If the lease cannot be taken (LeaseLostError, PostgreSQL down), that error is raised and
+        nothing more is appended. The intent of a fresh id may be in the log by then, with token
+        1, no lease and no stored request: the recovery worker takes it over once projected and
+        parks it (no request to dispatch it with), so it is never called. (Should the commit
+        have happened unseen, the intent is one whose owner went away: dispatched once by the
+        recovery worker when the lease expires.)
 
         ``operation_id`` defaults to a fresh ``op_`` ULID; pass one to record a known operation.
         Only the hash of ``arguments`` (canonical JSON) travels, never the arguments. If the
@@ -1001,9 +1085,11 @@ class TransitionRecorder(RecorderCore):
     def _perform(self, effect: Effect) -> Any:
         """Do what a step asks for, in this thread (see ``producers.steps``)."""
         if isinstance(effect, Record):
-            return self._run([effect.handle], effect.planner)
+            return self._run([effect.handle], effect.planner, effect.alongside)
         if isinstance(effect, Send):
-            return self._transport.send(effect.records)
+            if effect.alongside is None:
+                return self._transport.send(effect.records)
+            return self._send_alongside(effect.records, effect.alongside)
         if isinstance(effect, Blocking):
             return effect.work()
         if isinstance(effect, Call):
@@ -1012,13 +1098,40 @@ class TransitionRecorder(RecorderCore):
         time.sleep(effect.seconds)
         return None
 
-    def _run(self, handles: Iterable[TrackedOperation], planner: Callable[[], Plan | None]) -> bool:
+    def _send_alongside(
+        self, records: Sequence[OutgoingRecord], work: Callable[[], None]
+    ) -> Positions | None:
+        """Hand ``records`` over, do ``work`` while they are in flight, then wait for them
+        (``producers.steps.Send``; the steps ask for it only of a SplitTransport)."""
+        transport = cast(SplitTransport, self._transport)
+        submitted: Any = None
+        positions: Positions | None = None
+        send_error: Exception | None = None
+        work_error: Exception | None = None
+        try:
+            submitted = transport.submit(records)
+        except Exception as exc:
+            send_error = exc
+        try:
+            work()
+        except Exception as exc:
+            work_error = exc
+        if send_error is None:
+            try:
+                positions = transport.wait(submitted)
+            except Exception as exc:
+                send_error = exc
+        return cast(Positions | None, alongside_outcome(positions, send_error, work_error))
+
+    def _run(
+        self,
+        handles: Iterable[TrackedOperation],
+        planner: Callable[[], Plan | None],
+        alongside: Callable[[], None] | None = None,
+    ) -> bool:
         if isinstance(handles, list) and len(handles) == 1:
             # The per-call API's one handle: its lock alone, without sorting and an ExitStack.
             with handles[0].lock:
-                return self._run_locked(planner)
+                return self._drive(self._append_steps(planner, alongside))
         with _locked(handles):
-            return self._run_locked(planner)
-
-    def _run_locked(self, planner: Callable[[], Plan | None]) -> bool:
-        return self._drive(self._append_steps(planner))
+            return self._drive(self._append_steps(planner, alongside))

@@ -30,18 +30,51 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Record:
     """Append what ``planner`` plans for ``handle`` and wait for the acknowledgement (the
-    recorder's ``_run``); answers True, or False when the step was a repeat and nothing was sent."""
+    recorder's ``_run``); answers True, or False when the step was a repeat and nothing was sent
+    (``alongside`` then runs alone). ``alongside`` is run as :class:`Send` runs it."""
 
     handle: TrackedOperation
     planner: Callable[[], Plan | None]
+    alongside: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Send:
     """Produce ``records`` and wait for the broker's acknowledgement of each; answers their
-    positions."""
+    positions.
+
+    ``alongside`` is blocking work done while the acknowledgements are in flight: after the
+    records are handed to the producer, before their acknowledgements are awaited (its answer
+    is dropped: it keeps what it must). It runs once, whatever becomes of the records, and the
+    step is done only when both are: if it raised, :class:`AlongsideError` is raised once the
+    records' outcome is known, whatever that was. A recorder whose transport cannot hand records
+    over without waiting (not a :class:`~ledger.transport.SplitTransport`, or not yet ``warm``)
+    runs it first and sends nothing if it raised (the steps ask for that:
+    ``RecorderCore._append_steps``)."""
 
     records: Sequence[OutgoingRecord]
+    alongside: Callable[[], None] | None = None
+
+
+class AlongsideError(Exception):
+    """A :class:`Send`'s ``alongside`` work raised ``error``; ``send_error`` is what the send
+    raised, None when every record was acknowledged."""
+
+    def __init__(self, error: Exception, send_error: Exception | None) -> None:
+        super().__init__(f"the work beside the send failed: {error!r}")
+        self.error = error
+        self.send_error = send_error
+
+
+def alongside_outcome(
+    positions: Any, send_error: Exception | None, work_error: Exception | None
+) -> Any:
+    """What a :class:`Send` with ``alongside`` work answers, or raises, once both are done."""
+    if work_error is not None:
+        raise AlongsideError(work_error, send_error)
+    if send_error is not None:
+        raise send_error
+    return positions
 
 
 @dataclass(frozen=True, slots=True)
