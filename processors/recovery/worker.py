@@ -719,7 +719,8 @@ class RecoveryWorker:
                     Decision.PARK,
                     LookupStatus.NOT_LOOKED_UP,
                     policy,
-                    "the intent's request was never stored (recorded without a lease store): "
+                    "the intent's request was never stored (recorded without a lease store, "
+                    "or its lease and request failed to commit while the intent was sent): "
                     "it cannot be dispatched by anyone but its owner",
                 )
                 self._append(state, [decided])
