@@ -1,11 +1,12 @@
 """Receiver latency: p99 of ``POST /events`` at a steady rate with deduplication on, against the
-same aiohttp server answering 202 without deduplication, measured in the same run. Not a test;
+same HTTP server answering 202 without deduplication, measured in the same run. Not a test;
 needs the local stack (``opledger stack up``).
 
-Both servers run as subprocesses on 127.0.0.1: the receiver is ``opledger consumer run`` on a
-private topic prefix and database (inbox + change committed per request, key published to the
-compacted key store); the baseline is this file's ``--serve-baseline`` mode: an aiohttp
-``web.Application`` with one route that reads the body and answers the same 202 JSON.
+Both servers run as subprocesses on 127.0.0.1, on uvloop: the receiver is ``opledger consumer
+run`` on a private topic prefix and database (inbox + change committed per request, key
+published to the compacted key store); the baseline is this file's ``--serve-baseline`` mode:
+the receiver's server (``consumers.server.HttpServer``) with one route that reads the body and
+answers the same 202 JSON, and no checks.
 
 Requests are built before the clock starts (distinct operation ids, Standard Webhooks headers
 signed with ``standardwebhooks``; ``--duplicates`` of them resend an earlier key with its body).
@@ -41,10 +42,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
-from aiohttp import web
+import uvloop
 from standardwebhooks import Webhook
 
 from benchenv import isolated
+from consumers import server as http
+from consumers.contract import MAX_BODY_BYTES
 from ledger.domain.ids import canonical_json, content_ref, operation_id
 from ledger.settings import Settings
 
@@ -188,30 +191,28 @@ def p99(values: list[float]) -> float:
 
 
 def serve_baseline(port: int) -> None:
-    """The same aiohttp server stack answering 202 at once: no checks, no deduplication."""
+    """The receiver's server stack and loop answering 202 at once: no checks, no deduplication."""
 
-    async def events(request: web.Request) -> web.Response:
-        await request.read()
-        key = request.headers.get("Idempotency-Key", "").strip('"')
-        return web.json_response({"operation_id": key, "delivery": "accepted"}, status=202)
+    def events(request: http.Request) -> http.Response:
+        key = request.headers.get("idempotency-key", "").strip('"')  # the body was read
+        return http.json_response({"operation_id": key, "delivery": "accepted"}, 202)
 
-    async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response({"ready": True})
+    def healthz(_request: http.Request) -> http.Response:
+        return http.json_response({"ready": True})
 
     async def main() -> None:
-        app = web.Application(client_max_size=1024 * 1024 + 1)
-        app.router.add_post("/events", events)
-        app.router.add_get("/healthz", healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        routes = {
+            ("POST", "/events"): http.Route(events, read_body=True),
+            ("GET", "/healthz"): http.Route(healthz),
+        }
+        server = http.HttpServer(routes, max_body=MAX_BODY_BYTES)
+        await server.start("127.0.0.1", port)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
-        await runner.cleanup()
+        await server.close()
 
-    asyncio.run(main())
+    uvloop.run(main())
 
 
 def process_cpu_s(pid: int) -> float:
@@ -314,7 +315,7 @@ def main() -> None:
         )
         port = free_port()
         baseline = phase(
-            "baseline: aiohttp 202, no dedup",
+            "baseline: same server 202, no dedup",
             [sys.executable, __file__, "--serve-baseline", str(port)],
             env,
             port,

@@ -1,9 +1,11 @@
-"""The reference receiver: ``POST /events`` with deduplication, ``/metrics`` and ``/healthz``.
+"""The reference receiver: ``POST /events`` with deduplication, ``/metrics`` and ``/healthz``,
+served by :mod:`consumers.server` (HTTP/1.1 on asyncio protocols and ``httptools``).
 
 Every request is checked from the outside in, and the first failed check answers (RFC 9457
 ``application/problem+json``): 503 until the key view is restored; 415 unless the body is
 ``application/json`` (UTF-8); 400 without a usable ``Idempotency-Key``; 413 above
-:data:`~consumers.contract.MAX_BODY_BYTES` (refused on ``Content-Length`` before reading); 401
+:data:`~consumers.contract.MAX_BODY_BYTES` (refused on ``Content-Length`` before reading, a
+chunked body as soon as it passes the bound; the connection is closed after either); 401
 unless the Standard Webhooks signature over the raw body is valid and fresh; 400 for a body that
 is not a JSON object, 422 for one that is not a valid event or not the one its key and
 ``webhook-id`` name. Then deduplication: a known key with the same body is answered 202 again
@@ -19,25 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from consumers.contract import (
     IDEMPOTENCY_HEADER,
     MAX_BODY_BYTES,
-    PROBLEM_CONTENT_TYPE,
     Event,
-    Problem,
-    ProblemError,
     accepted_document,
-    body_too_large,
-    http_problem,
     in_progress,
     key_reused,
     not_ready,
@@ -49,30 +47,43 @@ from consumers.contract import (
 from consumers.dedup import Decision
 from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
+from consumers.server import (
+    JSON_CONTENT_TYPE,
+    Deferred,
+    HttpServer,
+    Request,
+    Response,
+    Route,
+    json_response,
+    problem_response,
+)
 from consumers.signatures import SignatureVerifier
 from ledger.pg import DatabaseUnavailableError
 
+__all__ = ["BatchWriter", "Receiver", "problem_response", "serve"]
+
 log = logging.getLogger("opledger.consumer.receiver")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST.partition("; charset")[0]
+_IDEMPOTENCY_FIELD = IDEMPOTENCY_HEADER.lower()
 REPLAYED_HEADER = "Idempotent-Replayed"
-#: The metrics reason of a successful answer, set by the handler for the middleware.
-_REASON = web.RequestKey("opledger.reason", str)
+_Done = Callable[[Recorded | Exception], None]
 
 
 class BatchWriter:
     """Commits the receiver's new keys in batches, on the event loop: each of ``writers`` tasks
     takes whatever queued while its previous transaction ran (at most ``max_batch``) and records
     it in one inbox transaction (:meth:`consumers.inbox.Inbox.record_many`); a request is
-    answered once the transaction holding its key has committed."""
+    answered once the transaction holding its key has committed: the callback given to
+    :meth:`submit` is called then, with what the transaction found or did (or its exception),
+    in the writer's task: no further turn of the event loop before the answer is written."""
 
     def __init__(self, inbox: Inbox, via: str, *, writers: int = 1, max_batch: int = 256) -> None:
         self._inbox = inbox
         self._via = via
         self._writers = writers
         self._max_batch = max_batch
-        self._queue: asyncio.Queue[tuple[Event, asyncio.Future[Recorded]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Event, _Done]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -83,42 +94,29 @@ class BatchWriter:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def record(self, event: Event) -> Recorded:
-        future: asyncio.Future[Recorded] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((event, future))
-        return await future
+    def submit(self, event: Event, done: _Done) -> None:
+        """Queue ``event``; ``done`` is called once its transaction committed (or failed)."""
+        self._queue.put_nowait((event, done))
 
     async def _serve(self) -> None:
         while True:
             batch = [await self._queue.get()]
             while len(batch) < self._max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            outcomes: Sequence[Recorded | Exception]
             try:
-                results = await self._inbox.record_many([e for e, _ in batch], self._via)
+                outcomes = await self._inbox.record_many([e for e, _ in batch], self._via)
             except Exception as exc:
-                for _event, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-            else:
-                for (_event, future), result in zip(batch, results, strict=True):
-                    if not future.done():  # else the request was cancelled (client gone)
-                        future.set_result(result)
-
-
-def problem_response(problem: Problem) -> web.Response:
-    headers = {}
-    if problem.retry_after_s is not None:
-        headers["Retry-After"] = str(problem.retry_after_s)
-    return web.Response(
-        body=problem.body(),
-        status=problem.status,
-        content_type=PROBLEM_CONTENT_TYPE,
-        headers=headers,
-    )
+                outcomes = [exc] * len(batch)
+            for (_event, done), outcome in zip(batch, outcomes, strict=True):
+                try:
+                    done(outcome)
+                except Exception:  # one answer's failure must not cost the others theirs
+                    log.exception("answering a recorded delivery failed")
 
 
 class Receiver:
-    """The aiohttp application of one consumer instance."""
+    """The routes of one consumer instance, on a :class:`~consumers.server.HttpServer`."""
 
     def __init__(
         self,
@@ -142,118 +140,115 @@ class Receiver:
         self._in_flight: set[str] = set()
         self._responses: dict[tuple[int, str], Any] = {}
         self._latency = runtime.metrics.request_seconds.labels(runtime.name)
+        self._server = HttpServer(
+            {
+                ("POST", "/events"): Route(self.events, check=self.check_events, read_body=True),
+                ("GET", "/metrics"): Route(self.metrics),
+                ("GET", "/healthz"): Route(self.healthz),
+            },
+            max_body=max_body_bytes,
+            observe=self._observe,
+        )
 
-    def app(self) -> web.Application:
-        # client_max_size a little above the bound: a body without Content-Length is cut by
-        # aiohttp there (HTTPRequestEntityTooLarge), which the middleware answers as 413.
-        app = web.Application(client_max_size=self._max_body + 1, middlewares=[self._problems])
-        app.router.add_post("/events", self.events)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/healthz", self.healthz)
-        app.on_startup.append(self._startup)
-        app.on_cleanup.append(self._shutdown)
-        return app
-
-    async def _startup(self, _app: web.Application) -> None:
+    async def start(self, host: str, port: int) -> int:
+        """Open the inbox, start the batch writer, listen; the bound port."""
         self._inbox = await self.runtime.open_inbox(self._writers + 1)
         self._writer = BatchWriter(self._inbox, "http", writers=self._writers)
         self._writer.start()
+        return await self._server.start(host, port)
 
-    async def _shutdown(self, _app: web.Application) -> None:
+    async def stop(self) -> None:
+        """Stop listening, answer what is owed (5 s at most), then close the inbox."""
+        await self._server.close(timeout=5.0)
         if self._writer is not None:
             await self._writer.stop()
+            self._writer = None
         if self._inbox is not None:
             await self._inbox.close()
+            self._inbox = None
 
-    def _count(self, status: int, reason: str) -> None:
-        child = self._responses.get((status, reason))
-        if child is None:  # a bounded set: statuses and fixed reason words
-            child = self._metrics.responses.labels(self._name, str(status), reason)
-            self._responses[(status, reason)] = child
-        child.inc()
-
-    @web.middleware
-    async def _problems(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        started = time.perf_counter()
-        try:
-            response = await handler(request)
-        except ProblemError as exc:
-            response = problem_response(exc.problem)
-            reason = exc.problem.slug
-        except web.HTTPRequestEntityTooLarge:
-            problem = body_too_large(self._max_body).problem
-            response, reason = problem_response(problem), problem.slug
-        except web.HTTPException as exc:  # the router's 404/405 and the like
-            if exc.status < 400:
-                raise
-            problem = http_problem(exc.status, exc.reason)
-            response, reason = problem_response(problem), problem.slug
-            if "Allow" in exc.headers:  # a 405 says which methods the path has
-                response.headers["Allow"] = exc.headers["Allow"]
-        except Exception:
-            # The exception's text could quote the request; log the type and trace only
-            # (RedactingFilter scrubs the trace too).
-            log.exception("POST %s failed", request.path)
-            problem = Problem(500, "internal", "Internal error", "the receiver failed; retry")
-            response, reason = problem_response(problem), problem.slug
-        else:
-            reason = request.get(_REASON, "ok")
+    def _observe(self, request: Request, response: Response) -> None:
         if request.path == "/events":
-            self._latency.observe(time.perf_counter() - started)
-            self._count(response.status, reason)
-        return response
+            self._latency.observe(time.perf_counter() - request.started)
+            child = self._responses.get((response.status, response.reason))
+            if child is None:  # a bounded set: statuses and fixed reason words
+                child = self._metrics.responses.labels(
+                    self._name, str(response.status), response.reason
+                )
+                self._responses[(response.status, response.reason)] = child
+            child.inc()
 
-    async def events(self, request: web.Request) -> web.Response:
-        """``POST /events``; see the module docstring for every answer."""
+    def check_events(self, request: Request) -> None:
+        """``POST /events`` before its body is read: readiness, media type, key. (The server
+        then refuses a ``Content-Length`` over the bound.)"""
         if not self.runtime.ready:
             raise not_ready("the key view is being restored from the key store")
-        if request.content_type != "application/json":
+        media_type, charset = request.content_type()
+        if media_type != "application/json":
             raise unsupported_media_type("send the event as Content-Type: application/json")
-        charset = request.charset
         if charset is not None and charset.lower() not in ("utf-8", "utf8"):
             raise unsupported_media_type("the event is UTF-8 JSON")
-        key = parse_idempotency_key(request.headers.getall(IDEMPOTENCY_HEADER, []))
-        length = request.content_length
-        if length is not None and length > self._max_body:
-            raise body_too_large(self._max_body)
-        raw = await request.read()
-        if len(raw) > self._max_body:
-            raise body_too_large(self._max_body)
+        request.state = parse_idempotency_key(request.values(_IDEMPOTENCY_FIELD))
+
+    def events(self, request: Request) -> Response | Deferred:
+        """``POST /events`` once its body is read; see the module docstring for every answer."""
+        key: str = request.state
+        raw = request.body
         webhook_id = self._verifier.verify(request.headers, raw)
         event = parse_event(raw, key, webhook_id)
 
         decision = self._dedup.known(event)
-        recorded: Recorded | None = None
-        if decision is None:
-            if key in self._in_flight:
-                raise in_progress(key)
-            self._in_flight.add(key)
-            try:
-                assert self._writer is not None  # started with the application
-                recorded = await self._writer.record(event)
-            except DatabaseUnavailableError:
-                raise unavailable("the consumer's database does not answer; retry") from None
-            finally:
-                self._in_flight.discard(key)
-            decision = Decision(
-                recorded.verdict, "new" if recorded.verdict is Verdict.ACCEPTED else "inbox"
-            )
+        if decision is not None:
+            return self._settle(event, key, decision, None)
+        if key in self._in_flight:
+            raise in_progress(key)
+        assert self._writer is not None  # started before listening
+        self._in_flight.add(key)
+        answer = Deferred()
+        self._writer.submit(event, functools.partial(self._recorded, event, key, answer))
+        return answer
+
+    def _recorded(
+        self, event: Event, key: str, answer: Deferred, outcome: Recorded | Exception
+    ) -> None:
+        self._in_flight.discard(key)
+        if isinstance(outcome, DatabaseUnavailableError):
+            answer.fail(unavailable("the consumer's database does not answer; retry"))
+            return
+        if isinstance(outcome, Exception):
+            answer.fail(outcome)  # 500
+            return
+        verdict = outcome.verdict
+        decision = Decision(verdict, "new" if verdict is Verdict.ACCEPTED else "inbox")
+        try:
+            response = self._settle(event, key, decision, outcome)
+        except Exception as exc:  # the key reused (422), or a failure (500)
+            answer.fail(exc)
+            return
+        answer.resolve(response)
+
+    def _settle(
+        self, event: Event, key: str, decision: Decision, recorded: Recorded | None
+    ) -> Response:
         self._dedup.settle(event, decision, recorded, "http")
         if decision.verdict is Verdict.CONFLICT:
             raise key_reused(key)
-        duplicate = decision.verdict is Verdict.DUPLICATE
-        request[_REASON] = "duplicate" if duplicate else "accepted"
-        headers = {REPLAYED_HEADER: "true"} if duplicate else {}
-        return web.json_response(accepted_document(key), status=202, headers=headers)
+        if decision.verdict is Verdict.DUPLICATE:
+            return Response(
+                202,
+                json.dumps(accepted_document(key)).encode(),
+                JSON_CONTENT_TYPE,
+                {REPLAYED_HEADER: "true"},
+                "duplicate",
+            )
+        return json_response(accepted_document(key), 202, reason="accepted")
 
-    async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.runtime.registry), content_type=_METRICS_CONTENT_TYPE
-        )
+    def metrics(self, _request: Request) -> Response:
+        return Response(200, generate_latest(self.runtime.registry), _METRICS_CONTENT_TYPE)
 
-    async def healthz(self, _request: web.Request) -> web.Response:
+    def healthz(self, _request: Request) -> Response:
         health = self.runtime.health()
-        return web.json_response(health, status=200 if health["ready"] else 503)
+        return json_response(health, 200 if health["ready"] else 503)
 
 
 async def serve(
@@ -274,11 +269,8 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signum, stop.set)
     receiver = Receiver(runtime, verifier)
-    runner = web.AppRunner(receiver.app(), access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-        bound = int(runner.addresses[0][1])
+        bound = await receiver.start(host, port)
         log.info("consumer %s listening on http://%s:%d", runtime.name, host, bound)
         if on_listening is not None:
             on_listening(bound)
@@ -291,5 +283,5 @@ async def serve(
         else:
             starting.cancel()
     finally:
-        await runner.cleanup()
+        await receiver.stop()
         runtime.close()

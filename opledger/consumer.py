@@ -39,13 +39,11 @@ def _setup(settings: Settings) -> None:
     ensure_topics(settings)  # the key store among them
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    # uvloop when installed (faust's environment has it): libuv does the receiver's socket work
-    # with less Python per request. Not a declared dependency, so the default loop otherwise.
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:
-        return None
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    # uvloop (a declared dependency): libuv does the receiver's socket work with less Python
+    # per request; bench/bench_consumer_receiver.py runs its baseline on it too.
+    import uvloop  # noqa: PLC0415
+
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
 

@@ -13,6 +13,7 @@ import http.client
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.request
@@ -38,7 +39,7 @@ from consumers.signatures import SignatureVerifier
 from ledger.settings import Settings
 from ledger.topics import end_offsets
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
-from tests.support import free_port, read_all
+from tests.support import read_all
 
 # --- a receiver in a thread of the test process --------------------------------------------------
 
@@ -320,12 +321,8 @@ def test_a_receiver_still_restoring_answers_503(consumer_settings: Settings) -> 
     runtime = ConsumerRuntime(consumer_settings)  # not started: nothing restored yet
 
     async def scenario() -> tuple[int, dict[str, Any], int, str]:
-        from aiohttp import web  # noqa: PLC0415
-
-        runner = web.AppRunner(Receiver(runtime, SignatureVerifier([SECRET])).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        receiver = Receiver(runtime, SignatureVerifier([SECRET]))
+        port = await receiver.start("127.0.0.1", 0)
         op = new_op_id()
         body = event_body(op)
         try:
@@ -339,7 +336,7 @@ def test_a_receiver_still_restoring_answers_503(consumer_settings: Settings) -> 
                 async with session.get(f"http://127.0.0.1:{port}/healthz") as health:
                     return status, document, health.status, retry_after
         finally:
-            await runner.cleanup()
+            await receiver.stop()
 
     try:
         status, document, health, retry_after = asyncio.run(scenario())
@@ -351,6 +348,131 @@ def test_a_receiver_still_restoring_answers_503(consumer_settings: Settings) -> 
         503,
         "1",
     )
+
+
+# --- HTTP/1.1 on one connection -----------------------------------------------------------------
+
+
+class RawConnection:
+    """A socket to the receiver: requests written as given, answers read in order."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def answer(self) -> Answer:
+        while b"\r\n\r\n" not in self.buffer:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed before an answer: {self.buffer!r}"
+            self.buffer += chunk
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        length = int(headers["Content-Length"])
+        while len(self.buffer) < length:
+            chunk = self.sock.recv(65536)
+            assert chunk, "connection closed inside an answer"
+            self.buffer += chunk
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return Answer(int(lines[0].split(" ")[1]), headers, body)
+
+    def closed_by_server(self) -> bool:
+        return self.sock.recv(65536) == b"" and not self.buffer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_post(body: bytes, headers: dict[str, str], length: int | None = None) -> bytes:
+    lines = ["POST /events HTTP/1.1", "Host: receiver"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append(f"Content-Length: {len(body) if length is None else length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_pipelined_deliveries_are_answered_in_order(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    ops = [new_op_id() for _ in range(4)]
+    bodies = {op: event_body(op) for op in ops}
+    wire = [raw_post(bodies[op], signed_headers(op, bodies[op])) for op in ops[:3]]
+    forged = bodies[ops[3]] + b" "  # the signature covers other bytes
+    wire.append(raw_post(forged, signed_headers(ops[3], bodies[ops[3]])))
+    wire.append(raw_post(bodies[ops[3]], signed_headers(ops[3], bodies[ops[3]])))
+    connection = RawConnection(receiver.port)
+    try:
+        connection.send(b"".join(wire))  # one write: five requests before any answer
+        answers = [connection.answer() for _ in wire]
+        assert [a.status for a in answers] == [202, 202, 202, 401, 202]
+        assert [a.json()["operation_id"] for a in answers if a.status == 202] == [
+            ops[0],
+            ops[1],
+            ops[2],
+            ops[3],
+        ]
+        # Again on the same connection: a resend and a reused key, in their order too.
+        other = event_body(ops[1], tenant="other")
+        connection.send(
+            raw_post(bodies[ops[0]], signed_headers(ops[0], bodies[ops[0]]))
+            + raw_post(other, signed_headers(ops[1], other))
+        )
+        replayed, reused = connection.answer(), connection.answer()
+        assert (replayed.status, replayed.headers.get("Idempotent-Replayed")) == (202, "true")
+        assert_problem(reused, 422, "key-reused")
+    finally:
+        connection.close()
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+
+
+def test_a_delivery_sent_slowly_in_pieces_is_accepted(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    op = new_op_id()
+    body = event_body(op)
+    wire = raw_post(body, signed_headers(op, body))
+    connection = RawConnection(receiver.port)
+    try:
+        for start in range(0, len(wire), 97):  # the head split too, not only the body
+            connection.send(wire[start : start + 97])
+            time.sleep(0.02)
+        answer = connection.answer()
+        assert answer.status == 202 and answer.json()["operation_id"] == op
+        second = new_op_id()
+        connection.send(raw_post(event_body(second), signed_headers(second, event_body(second))))
+        assert connection.answer().status == 202  # the connection is kept
+    finally:
+        connection.close()
+    assert changes_per_operation(consumer_settings) == Counter({op: 1, second: 1})
+
+
+def test_a_body_longer_than_its_content_length_is_refused_and_changes_nothing(
+    receiver: RunningReceiver, consumer_settings: Settings
+) -> None:
+    op = new_op_id()
+    body = event_body(op)
+    connection = RawConnection(receiver.port)
+    try:
+        # Content-Length frames fewer bytes than follow: the request is those bytes (not what
+        # was signed: 401), and the rest is no request at all (400, connection closed).
+        connection.send(raw_post(body, signed_headers(op, body), length=len(body) - 10))
+        assert_problem(connection.answer(), 401, "bad-signature")
+        assert_problem(connection.answer(), 400, "bad-request")
+        assert connection.closed_by_server()
+    finally:
+        connection.close()
+    malformed = RawConnection(receiver.port)
+    try:
+        malformed.send(b"POST /events HTTP/1.1 trailing garbage\r\n\r\n")
+        bad_line = malformed.answer()
+        assert_problem(bad_line, 400, "bad-request")
+        assert bad_line.headers["Connection"] == "close" and malformed.closed_by_server()
+    finally:
+        malformed.close()
+    assert counts(consumer_settings) == (0, 0)
+    assert send(receiver.url, op, body).status == 202  # the receiver is unharmed, the key unused
 
 
 # --- malformed input changes nothing -------------------------------------------------------------

@@ -1,0 +1,638 @@
+"""The receiver's HTTP/1.1 server (``consumers.server``) on real sockets on 127.0.0.1, on both
+event loops it runs on (uvloop in ``opledger consumer run``, asyncio's own in the tests'
+receivers): keep-alive and pipelining in order, bodies in pieces and chunked, the 413 before a
+body is read, malformed and oversized input refused with a problem document and the connection
+closed, 100-continue, HEAD, 404/405. No Kafka or PostgreSQL: the routes here are stand-ins; the
+receiver's own routes over this server are ``test_consumer.py``'s."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvloop
+
+from consumers import server as server_module
+from consumers.contract import (
+    PROBLEM_CONTENT_TYPE,
+    PROBLEM_TYPE_PREFIX,
+    malformed_key,
+)
+from consumers.server import (
+    LINGER_S,
+    MAX_HEAD_BYTES,
+    MAX_PIPELINED,
+    Deferred,
+    HttpServer,
+    Request,
+    Response,
+    Route,
+    json_response,
+)
+
+MAX_BODY = 64 * 1024
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+class Served:
+    """An :class:`HttpServer` with stand-in routes, on its own loop in a thread.
+
+    - ``POST /echo``: 200, the body's length and sha256 (and the ``X-N`` header back).
+    - ``POST /later``: answered by a :class:`Deferred` that the test resolves (:meth:`release`).
+    - ``POST /checked``: refused by its check (400) unless ``X-Ok: 1``; then like ``/echo``.
+    - ``POST /boom``: the handler raises.
+    - ``GET /ping``: 200 ``{"pong": true}``.
+    """
+
+    def __init__(self, loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self.loop = loop_factory()
+        self.pending: list[Deferred] = []
+        self.seen: list[tuple[str, str, int]] = []  # (method, path, status) as observed
+        self.server = HttpServer(
+            {
+                ("POST", "/echo"): Route(self._echo, read_body=True),
+                ("POST", "/later"): Route(self._later, read_body=True),
+                ("POST", "/checked"): Route(self._echo, check=self._check, read_body=True),
+                ("POST", "/boom"): Route(self._boom, read_body=True),
+                ("GET", "/ping"): Route(lambda _r: json_response({"pong": True})),
+            },
+            max_body=MAX_BODY,
+            observe=lambda r, a: self.seen.append((r.method, r.path, a.status)),
+        )
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.port = self.call(self.server.start("127.0.0.1", 0))
+
+    def call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
+
+    def wait_pending(self, count: int) -> None:
+        """Wait until ``count`` requests are waiting on ``/later``."""
+        deadline = time.monotonic() + 10
+        while len(self.pending) < count:
+            assert time.monotonic() < deadline, "the requests did not reach /later"
+            time.sleep(0.01)
+
+    def release(self, count: int, error: Exception | None = None) -> None:
+        """Answer the first ``count`` requests waiting on ``/later``: 202 ``later``, or fail
+        them with ``error``."""
+        self.wait_pending(count)
+
+        async def answer() -> None:
+            for deferred in self.pending[:count]:
+                if error is None:
+                    deferred.resolve(Response(202, b"later", "text/plain"))
+                else:
+                    deferred.fail(error)
+            del self.pending[:count]
+
+        self.call(answer())
+
+    def close(self) -> None:
+        self.call(self.server.close(timeout=1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    @staticmethod
+    def _echo(request: Request) -> Response:
+        document = {
+            "length": len(request.body),
+            "sha256": hashlib.sha256(request.body).hexdigest(),
+            "n": request.headers.get("x-n"),
+        }
+        return json_response(document)
+
+    def _later(self, _request: Request) -> Deferred:
+        deferred = Deferred()
+        self.pending.append(deferred)
+        return deferred
+
+    @staticmethod
+    def _check(request: Request) -> None:
+        if request.headers.get("x-ok") != "1":
+            raise malformed_key("stand-in refusal")
+
+    @staticmethod
+    def _boom(_request: Request) -> Response:
+        raise RuntimeError("handler bug")
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    running = Served(LOOPS[request.param])
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Client:
+    """A raw socket: requests are written as given, answers parsed one at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def answer(self, *, head_only: bool = False) -> Answer:
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._fill(), f"connection closed inside an answer: {self.buffer!r}"
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = 0 if head_only or status in (100,) else int(headers["content-length"])
+        while len(self.buffer) < length:
+            assert self._fill(), "connection closed inside a body"
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return Answer(status, headers, body)
+
+    def closed(self) -> bool:
+        """True once the server has closed its side (EOF), with nothing left unread."""
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except ConnectionResetError:
+                return True
+            if not chunk:
+                return not self.buffer
+            self.buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def request(
+    method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: test"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def assert_problem(answer: Answer, status: int, slug: str) -> None:
+    assert answer.status == status, (answer.status, answer.body[:300])
+    assert answer.headers["content-type"] == PROBLEM_CONTENT_TYPE
+    document = answer.json()
+    assert document["type"] == PROBLEM_TYPE_PREFIX + slug, document
+    assert document["status"] == status and document["detail"]
+
+
+def echo_of(body: bytes, n: str | None = None) -> dict[str, Any]:
+    return {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "n": n}
+
+
+# --- keep-alive and pipelining -------------------------------------------------------------------
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        for i in range(50):
+            body = f"request {i}".encode()
+            client.send(request("POST", "/echo", body, {"X-N": str(i)}))
+            answer = client.answer()
+            assert answer.status == 200 and "connection" not in answer.headers
+            assert answer.json() == echo_of(body, str(i))
+            assert answer.headers["content-type"] == "application/json; charset=utf-8"
+            assert answer.headers["date"].endswith(" GMT")
+    finally:
+        client.close()
+
+
+def test_pipelined_requests_are_answered_in_their_order(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        # One write: a request whose answer waits, then two answered at once. Theirs must not
+        # overtake the first.
+        client.send(
+            request("POST", "/later", b"first")
+            + request("POST", "/echo", b"second", {"X-N": "2"})
+            + request("GET", "/ping")
+        )
+        time.sleep(0.2)
+        client.sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            client._fill()  # nothing may be written before the first answer
+        client.sock.settimeout(10)
+        served.release(1)
+        first, second, third = client.answer(), client.answer(), client.answer()
+        assert (first.status, first.body) == (202, b"later")
+        assert second.json() == echo_of(b"second", "2")
+        assert third.json() == {"pong": True}
+    finally:
+        client.close()
+
+
+def test_a_long_pipeline_is_answered_completely_and_in_order(served: Served) -> None:
+    # More than MAX_PIPELINED at once: the server stops reading and resumes as it answers.
+    count = MAX_PIPELINED * 6
+    client = Client(served.port)
+    try:
+        client.send(
+            b"".join(request("POST", "/echo", b"x" * i, {"X-N": str(i)}) for i in range(count))
+        )
+        for i in range(count):
+            assert client.answer().json() == echo_of(b"x" * i, str(i))
+    finally:
+        client.close()
+
+
+def test_answers_owed_to_a_client_that_left_are_dropped(served: Served) -> None:
+    client = Client(served.port)
+    client.send(request("POST", "/later", b"gone"))
+    served.wait_pending(1)
+    client.close()
+    time.sleep(0.1)
+    served.release(1)  # answered after the client left: nothing to write to, no error
+    other = Client(served.port)
+    try:
+        other.send(request("GET", "/ping"))
+        assert other.answer().status == 200
+    finally:
+        other.close()
+
+
+# --- bodies --------------------------------------------------------------------------------------
+
+
+def test_a_body_sent_slowly_in_pieces_is_read_whole(served: Served) -> None:
+    body = bytes(range(256)) * 40
+    client = Client(served.port)
+    try:
+        head = request("POST", "/echo", body)[: -len(body)]
+        client.send(head[:10])
+        time.sleep(0.05)
+        client.send(head[10:])
+        for start in range(0, len(body), 1000):
+            time.sleep(0.02)
+            client.send(body[start : start + 1000])
+        assert client.answer().json() == echo_of(body)
+        client.send(request("GET", "/ping"))  # and the connection is still good
+        assert client.answer().status == 200
+    finally:
+        client.close()
+
+
+def test_a_chunked_body_is_read_whole(served: Served) -> None:
+    body = b"0123456789abcdef" * 300
+    chunks = [body[i : i + 777] for i in range(0, len(body), 777)]
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    client = Client(served.port)
+    try:
+        client.send(
+            b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n" + wire
+        )
+        assert client.answer().json() == echo_of(body)
+    finally:
+        client.close()
+
+
+def test_a_body_longer_than_its_content_length_is_a_malformed_next_request(
+    served: Served,
+) -> None:
+    client = Client(served.port)
+    try:
+        body = b'{"a": 1}'
+        client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 3\r\n\r\n" + body)
+        first = client.answer()
+        assert first.json() == echo_of(body[:3])  # the request is what Content-Length framed
+        assert_problem(client.answer(), 400, "bad-request")  # the rest is not a request
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_content_length_over_the_bound_is_refused_before_the_body_is_sent(
+    served: Served,
+) -> None:
+    client = Client(served.port)
+    try:
+        # The head only: the 413 must come without the server waiting for the body.
+        client.send(
+            b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
+        )
+        answer = client.answer()
+        assert_problem(answer, 413, "body-too-large")
+        assert answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+    assert ("POST", "/echo", 413) in served.seen
+
+
+def test_an_oversized_body_sent_anyway_still_gets_its_413(served: Served) -> None:
+    # The client writes everything before it reads: the server drops the body it refused
+    # instead of resetting the connection under the client's feet.
+    huge = b"x" * (MAX_BODY * 4)
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/echo", huge))
+        assert_problem(client.answer(), 413, "body-too-large")
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_a_chunked_body_over_the_bound_is_refused(served: Served) -> None:
+    chunk = b"y" * 8192
+    client = Client(served.port)
+    try:
+        client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(MAX_BODY // len(chunk) + 4):
+            client.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        client.send(b"0\r\n\r\n")
+        answer = client.answer()
+        assert_problem(answer, 413, "body-too-large")
+        assert answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_a_check_refuses_without_the_body_and_the_connection_goes_on(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/checked", b"z" * 5000))
+        assert_problem(client.answer(), 400, "malformed-idempotency-key")
+        client.send(request("POST", "/checked", b"fine", {"X-Ok": "1"}))
+        assert client.answer().json() == echo_of(b"fine")
+    finally:
+        client.close()
+
+
+def test_expect_100_continue_gets_the_interim_answer_before_the_body(served: Served) -> None:
+    body = b"after the interim answer"
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/echo", body, {"Expect": "100-continue"})[: -len(body)])
+        assert client.answer(head_only=True).status == 100
+        client.send(body)
+        assert client.answer().json() == echo_of(body)
+        # Refused by a check: no 100, the final answer, and the body is not waited for.
+        client.send(request("POST", "/checked", body, {"Expect": "100-continue"})[: -len(body)])
+        refused = client.answer()
+        assert_problem(refused, 400, "malformed-idempotency-key")
+        assert refused.headers["connection"] == "close"
+    finally:
+        client.close()
+    other = Client(served.port)
+    try:
+        other.send(request("POST", "/echo", body, {"Expect": "something-else"}))
+        assert_problem(other.answer(), 417, "expectation-failed")
+    finally:
+        other.close()
+
+
+# --- malformed and refused -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"BLAH\r\n\r\n",
+        b"GET /ping HTTP/9.9\r\nHost: test\r\n\r\n",
+        b"GET /ping HTTP/1.1\r\nHost: test\r\nBad Header\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: x\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 3\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS hello
+    ],
+    ids=["request-line", "version", "header", "length", "both-framings", "chunk", "tls"],
+)
+def test_a_malformed_request_gets_400_and_the_connection_closed(
+    served: Served, wire: bytes
+) -> None:
+    client = Client(served.port)
+    try:
+        client.send(wire)
+        answer = client.answer()
+        assert_problem(answer, 400, "bad-request")
+        assert answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+    healthy = Client(served.port)
+    try:
+        healthy.send(request("GET", "/ping"))
+        assert healthy.answer().status == 200
+    finally:
+        healthy.close()
+
+
+def test_a_malformed_request_after_a_good_one_leaves_the_good_answer_first(
+    served: Served,
+) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/later", b"ok") + b"NOT HTTP AT ALL\r\n\r\n")
+        served.release(1)
+        assert client.answer().status == 202
+        assert_problem(client.answer(), 400, "bad-request")
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_http11_without_host_is_refused(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(b"GET /ping HTTP/1.1\r\n\r\n")
+        assert_problem(client.answer(), 400, "bad-request")
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_a_head_over_the_bound_gets_431(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(b"GET /ping HTTP/1.1\r\nHost: test\r\n")
+        filler = b"X-Filler: " + b"f" * 1000 + b"\r\n"
+        for _ in range(MAX_HEAD_BYTES // len(filler) + 2):
+            client.send(filler)
+        answer = client.answer()
+        assert_problem(answer, 431, "request-header-fields-too-large")
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_routes_unknown_paths_and_methods(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("GET", "/nope"))
+        assert_problem(client.answer(), 404, "not-found")
+        client.send(request("GET", "/echo"))
+        not_allowed = client.answer()
+        assert_problem(not_allowed, 405, "method-not-allowed")
+        assert not_allowed.headers["allow"] == "POST"
+        client.send(request("DELETE", "/ping"))
+        assert client.answer().headers["allow"] == "GET,HEAD"
+        client.send(request("HEAD", "/ping"))
+        head = client.answer(head_only=True)
+        assert head.status == 200 and head.headers["content-length"] == str(len(b'{"pong": true}'))
+        client.send(request("GET", "/ping?with=query"))  # the query is not part of the path
+        assert client.answer().json() == {"pong": True}
+        client.send(request("GET", "/%70ing"))  # percent-encoded: the same path
+        assert client.answer().json() == {"pong": True}
+    finally:
+        client.close()
+
+
+def test_a_failing_handler_answers_500_and_the_connection_goes_on(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/boom", b"x"))
+        assert_problem(client.answer(), 500, "internal")
+        client.send(request("GET", "/ping"))
+        assert client.answer().status == 200
+    finally:
+        client.close()
+
+
+def test_a_deferred_answer_may_fail_with_a_problem_or_anything_else(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/later", b"a") + request("POST", "/later", b"b"))
+        served.release(1, malformed_key("refused later"))
+        assert_problem(client.answer(), 400, "malformed-idempotency-key")
+        served.release(1, RuntimeError("the database is gone"))
+        assert_problem(client.answer(), 500, "internal")
+        client.send(request("GET", "/ping"))  # the connection goes on
+        assert client.answer().status == 200
+    finally:
+        client.close()
+
+
+def test_connection_close_and_http10_end_the_connection(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(
+            request("GET", "/ping", headers={"Connection": "close"}) + request("GET", "/ping")
+        )
+        answer = client.answer()
+        assert answer.status == 200 and answer.headers["connection"] == "close"
+        assert client.closed(), "the request after Connection: close was served"
+    finally:
+        client.close()
+    old = Client(served.port)
+    try:
+        old.send(b"GET /ping HTTP/1.0\r\n\r\n")
+        assert old.answer().status == 200
+        assert old.closed()
+    finally:
+        old.close()
+
+
+def test_an_upgrade_is_ignored_without_a_body_and_refused_with_one(served: Served) -> None:
+    upgrade = {"Connection": "Upgrade", "Upgrade": "h2c"}
+    client = Client(served.port)
+    try:
+        client.send(request("GET", "/ping", headers=upgrade))
+        answer = client.answer()
+        assert answer.json() == {"pong": True} and answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+    with_body = Client(served.port)
+    try:
+        with_body.send(request("POST", "/echo", b"body", upgrade))
+        assert_problem(with_body.answer(), 400, "bad-request")
+        assert with_body.closed()
+    finally:
+        with_body.close()
+
+
+def test_after_a_final_answer_input_is_dropped_until_the_linger_ends(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(b"BLAH\r\n\r\n")
+        assert_problem(client.answer(), 400, "bad-request")
+        assert client.closed()  # half-closed by the server at once
+        refused_at = time.monotonic()
+        client.send(b"more bytes the server drops" * 100)  # not reset: it still reads
+        deadline = refused_at + LINGER_S + 3
+        while served.server.connections:
+            assert time.monotonic() < deadline, "the lingering connection was never closed"
+            time.sleep(0.05)
+        assert time.monotonic() - refused_at >= LINGER_S - 0.5
+    finally:
+        client.close()
+
+
+def test_an_idle_connection_is_closed_but_one_owed_an_answer_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_module, "KEEPALIVE_S", 0.5)
+    served = Served(asyncio.new_event_loop)
+    idle, waiting = Client(served.port), Client(served.port)
+    try:
+        idle.send(request("GET", "/ping"))
+        assert idle.answer().status == 200
+        waiting.send(request("POST", "/later", b"slow"))
+        served.wait_pending(1)
+        idle.sock.settimeout(5)
+        assert idle.closed()
+        time.sleep(0.5)
+        served.release(1)
+        assert waiting.answer().status == 202
+    finally:
+        idle.close()
+        waiting.close()
+        served.close()
+
+
+def test_close_answers_what_is_owed_first(served: Served) -> None:
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/later", b"owed"))
+        served.wait_pending(1)
+
+        async def close_while_owed() -> None:
+            closing = asyncio.ensure_future(served.server.close(timeout=5.0))
+            await asyncio.sleep(0.2)
+            assert not closing.done(), "closed with an answer owed"
+            served.pending.pop().resolve(Response(202, b"late", "text/plain"))
+            await closing
+
+        served.call(close_while_owed())
+        answer = client.answer()
+        assert (answer.status, answer.body) == (202, b"late")
+    finally:
+        client.close()
