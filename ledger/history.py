@@ -55,6 +55,40 @@ class Snapshot:
     deliveries: dict[str, DeliveryRecord] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class View:
+    """Snapshots of some operations, and the log position (exclusive, per topic and partition)
+    they reflect."""
+
+    snapshots: dict[str, Snapshot]
+    tenants: dict[str, str]
+    positions: dict[tuple[str, int], int]
+
+
+def _fold_tail(
+    snapshots: dict[str, Snapshot], tenants: Mapping[str, str], tail: Sequence[OperationEvent]
+) -> None:
+    # Executions (and the ownership changes and decisions ordered with them) first, as the
+    # projector folds: nothing on the execution topic depends on a delivery.
+    for event in sorted(tail, key=lambda e: e.kind == "delivery"):
+        snapshot = snapshots[event.operation_id]
+        if event.tenant_id != tenants[event.operation_id]:
+            continue  # another tenant's event for this id: never part of this view
+        outcome: Any
+        if isinstance(event, ExecutionTransitioned):
+            outcome = apply_execution(snapshot.execution, event)
+        elif isinstance(event, DeliveryTransitioned):
+            current = snapshot.deliveries.get(event.destination)
+            outcome = apply_delivery(current, event, snapshot.execution)
+            if isinstance(outcome, Applied):
+                snapshot.deliveries[event.destination] = outcome.record
+            continue
+        else:
+            outcome = apply_control(snapshot.execution, event)
+        if isinstance(outcome, Applied):
+            snapshot.execution = outcome.record
+
+
 class HistoryReader:
     """Reads operations' exact current state (projection + unfolded tail)."""
 
@@ -86,38 +120,49 @@ class HistoryReader:
         """The state of each ``(operation_id, tenant_id)``, read up to ``upto`` (exclusive end
         offset per (topic, partition); default: the partitions' current ends). An operation
         another tenant owns reads as empty: no execution, no deliveries."""
+        return self.view(operations, upto=upto).snapshots
+
+    def view(
+        self,
+        operations: Iterable[tuple[str, str]],
+        *,
+        upto: Mapping[tuple[str, int], int] | None = None,
+    ) -> View:
+        """:meth:`load`, with the log position each partition was read up to, so that a later
+        :meth:`advance` reads only what came after."""
         pairs = list(operations)
         if not pairs:
-            return {}
+            return View({}, {}, {})
         tenants = dict(pairs)
         count = self._settings.partitions
         partitions = {partition_for(op.encode(), count) for op in tenants}
         topics = (self._settings.execution_topic, self._settings.delivery_topic)
-        snapshots, start = self._projected(pairs, topics, partitions)
-        tail = self._tail(
-            {(t, p): start.get((t, p), 0) for t in topics for p in partitions},
-            set(tenants),
-            upto,
-        )
-        # Executions (and the ownership changes and decisions ordered with them) first, as the
-        # projector folds: nothing on the execution topic depends on a delivery.
-        for event in sorted(tail, key=lambda e: e.kind == "delivery"):
-            snapshot = snapshots[event.operation_id]
-            if event.tenant_id != tenants[event.operation_id]:
-                continue  # another tenant's event for this id: never part of this view
-            outcome: Any
-            if isinstance(event, ExecutionTransitioned):
-                outcome = apply_execution(snapshot.execution, event)
-            elif isinstance(event, DeliveryTransitioned):
-                current = snapshot.deliveries.get(event.destination)
-                outcome = apply_delivery(current, event, snapshot.execution)
-                if isinstance(outcome, Applied):
-                    snapshot.deliveries[event.destination] = outcome.record
-                continue
-            else:
-                outcome = apply_control(snapshot.execution, event)
-            if isinstance(outcome, Applied):
-                snapshot.execution = outcome.record
+        snapshots, projected = self._projected(pairs, topics, partitions)
+        start = {(t, p): projected.get((t, p), 0) for t in topics for p in partitions}
+        tail, reached = self._tail(start, set(tenants), upto)
+        _fold_tail(snapshots, tenants, tail)
+        return View(snapshots, tenants, reached)
+
+    def advance(
+        self,
+        view: View,
+        operations: Iterable[str],
+        *,
+        upto: Mapping[tuple[str, int], int] | None = None,
+    ) -> dict[str, Snapshot]:
+        """``operations`` (ids of ``view``) as :meth:`load` would read them up to ``upto`` now,
+        from the view's snapshots and only the records after its positions: no projection
+        read. The view's snapshots of them are moved on in place."""
+        wanted = {op: view.tenants[op] for op in operations}
+        if not wanted:
+            return {}
+        count = self._settings.partitions
+        partitions = {partition_for(op.encode(), count) for op in wanted}
+        start = {key: offset for key, offset in view.positions.items() if key[1] in partitions}
+        tail, reached = self._tail(start, set(wanted), upto)
+        snapshots = {op: view.snapshots[op] for op in wanted}
+        _fold_tail(snapshots, wanted, tail)
+        view.positions.update(reached)
         return snapshots
 
     def _projected(
@@ -166,21 +211,24 @@ class HistoryReader:
         start: Mapping[tuple[str, int], int],
         wanted: set[str],
         upto: Mapping[tuple[str, int], int] | None,
-    ) -> list[OperationEvent]:
+    ) -> tuple[list[OperationEvent], dict[tuple[str, int], int]]:
+        """The events of ``wanted`` from ``start`` to ``upto`` (default: the ends), and the
+        position each partition was read up to."""
         consumer = self._open()
         try:
             latest = self._latest(
                 consumer, [key for key in start if upto is None or upto.get(key) is None]
             )
             ends: dict[tuple[str, int], int] = {}
+            reached = dict(start)
             for key, begin in start.items():
                 end = upto.get(key) if upto is not None else None
                 if end is None:
                     end = latest[key]
                 if end > begin:
-                    ends[key] = end
+                    ends[key] = reached[key] = end
             if not ends:
-                return []
+                return [], reached
             consumer.assign([TopicPartition(t, p, start[(t, p)]) for (t, p) in ends])
             keys = {op.encode() for op in wanted}
             events: list[OperationEvent] = []
@@ -211,7 +259,7 @@ class HistoryReader:
                         events.append(self._codec.decode_operation(message.value() or b""))
                     except DecodeError:
                         continue  # the projector dead-letters it; it is no part of any state
-            return events
+            return events, reached
         except KafkaException as exc:
             raise HistoryError(f"the log's tail could not be read: {exc}") from exc
         finally:

@@ -54,7 +54,7 @@ from ledger.domain.states import ExecutionState
 from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
-from ledger.history import HistoryError, HistoryReader, Snapshot
+from ledger.history import HistoryError, HistoryReader, Snapshot, View
 from ledger.kafka import consumer_config
 from ledger.leases import Lease, LeaseStore
 from ledger.metrics import Metrics
@@ -267,13 +267,13 @@ class RecoveryWorker:
         return handled
 
     def _pass(self, partitions: Sequence[int]) -> int:
-        due = self._still_due(self._due(self._candidates(partitions)))
+        due, view = self._still_due(self._due(self._candidates(partitions)))
         if not due:
             return 0
         taken, claimed = self._take_over(due)
         if not taken:
             return 0
-        snapshots = self._load(taken, claimed)
+        snapshots = self._load(view, taken, claimed)
         states = []
         for op_id, lease in taken.items():
             snapshot = snapshots.get(op_id)
@@ -465,22 +465,23 @@ class RecoveryWorker:
             due.append(candidate)
         return due
 
-    def _still_due(self, due: Sequence[Candidate]) -> list[Candidate]:
-        """The candidates that are really unfinished and unparked now. The projection may lag
-        the log: an operation it still shows unfinished may have finished since, and taking it
-        over would append an ownership change after its end."""
+    def _still_due(self, due: Sequence[Candidate]) -> tuple[list[Candidate], View]:
+        """The candidates that are really unfinished and unparked now, and the view they were
+        read in. The projection may lag the log: an operation it still shows unfinished may
+        have finished since, and taking it over would append an ownership change after its
+        end."""
         if not due:
-            return []
-        exact = self._history.load([(c.operation_id, c.tenant_id) for c in due])
+            return [], View({}, {}, {})
+        view = self._history.view([(c.operation_id, c.tenant_id) for c in due])
         still = []
         for candidate in due:
-            execution = exact[candidate.operation_id].execution
+            execution = view.snapshots[candidate.operation_id].execution
             if execution is None or execution.parked is not None:
                 continue
             if execution.state not in (X.INTENT_RECORDED, X.DISPATCHED, X.UNKNOWN):
                 continue
             still.append(candidate)
-        return still
+        return still, view
 
     def _take_over(
         self, due: Sequence[Candidate]
@@ -511,17 +512,16 @@ class RecoveryWorker:
         return taken, claimed
 
     def _load(
-        self, taken: dict[str, Lease], claimed: Sequence[tuple[str, int, int]]
+        self, view: View, taken: dict[str, Lease], claimed: Sequence[tuple[str, int, int]]
     ) -> dict[str, Snapshot]:
         # Read each partition up to (and including) this pass's claims: whatever the previous
-        # owners appended before them counts, nothing after them can.
+        # owners appended before them counts, nothing after them can. The view the candidates
+        # were checked in is moved on from where it was read, not read again.
         upto: dict[tuple[str, int], int] = {}
         for topic, partition, offset in claimed:
             key = (topic, partition)
             upto[key] = max(upto.get(key, 0), offset + 1)
-        return self._history.load(
-            [(op, lease.tenant_id) for op, lease in taken.items()], upto=upto or None
-        )
+        return self._history.advance(view, taken, upto=upto or None)
 
     # -- one operation -------------------------------------------------------------------------
 
