@@ -6,7 +6,8 @@ and the reference receiver.
 - :mod:`consumers.inbox`: check and change in one PostgreSQL transaction;
 - :mod:`consumers.keystore`: the compacted key store (publisher, restore, key view);
 - :mod:`consumers.dedup`, :mod:`consumers.runtime`: the two put together, one instance;
-- :mod:`consumers.receiver`: the aiohttp receiver; :mod:`consumers.queue`: the Kafka side.
+- :mod:`consumers.receiver`: the reference receiver, served by :mod:`consumers.server` (a small
+  HTTP/1.1 server on asyncio and httptools); :mod:`consumers.queue`: the Kafka side.
 
 A 202 acknowledges receipt, never execution. Decision: docs/decisions/009-consumer-dedup.md.
 """
