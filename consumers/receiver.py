@@ -49,6 +49,8 @@ from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
 from consumers.server import (
     JSON_CONTENT_TYPE,
+    KEEPALIVE_S,
+    REQUEST_TIMEOUT_S,
     Deferred,
     HttpServer,
     Request,
@@ -116,7 +118,8 @@ class BatchWriter:
 
 
 class Receiver:
-    """The routes of one consumer instance, on a :class:`~consumers.server.HttpServer`."""
+    """The routes of one consumer instance, on a :class:`~consumers.server.HttpServer`;
+    ``keepalive_timeout_s`` and ``request_timeout_s`` are that server's timeouts."""
 
     def __init__(
         self,
@@ -125,6 +128,8 @@ class Receiver:
         *,
         max_body_bytes: int = MAX_BODY_BYTES,
         writers: int = 1,
+        keepalive_timeout_s: float = KEEPALIVE_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.runtime = runtime
         self._verifier = verifier
@@ -148,6 +153,8 @@ class Receiver:
             },
             max_body=max_body_bytes,
             observe=self._observe,
+            keepalive_timeout_s=keepalive_timeout_s,
+            request_timeout_s=request_timeout_s,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -268,7 +275,13 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signum, stop.set)
-    receiver = Receiver(runtime, verifier)
+    settings = runtime.settings
+    receiver = Receiver(
+        runtime,
+        verifier,
+        keepalive_timeout_s=settings.consumer_keepalive_timeout_s,
+        request_timeout_s=settings.consumer_request_timeout_s,
+    )
     try:
         bound = await receiver.start(host, port)
         log.info("consumer %s listening on http://%s:%d", runtime.name, host, bound)

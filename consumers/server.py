@@ -12,6 +12,18 @@ closed: ``Upgrade`` is otherwise ignored, as RFC 9110 7.8 allows). A connection 
 after an answer is half-closed first and its remaining input read and dropped for up to
 :data:`LINGER_S`, so the client reads the answer instead of a reset.
 
+Two timeouts, both on the client's bytes, never on the server's work (:class:`HttpServer`'s
+``keepalive_timeout_s`` and ``request_timeout_s``): a connection with no request being read and
+no answer owed is closed once it has been so for ``keepalive_timeout_s`` (default
+:data:`KEEPALIVE_S`, 75 s, as aiohttp's ``keepalive_timeout``); a request whose head and body
+have not all arrived ``request_timeout_s`` (default :data:`REQUEST_TIMEOUT_S`, 30 s) after its
+first byte is answered 408 and the connection closed, after the answers owed before it, in
+order. A handler may take as long as it needs: a request that has arrived is not timed, nor is
+one the server itself holds back (its pipeline full of unanswered requests, or its
+``Expect: 100-continue`` not yet answered); its clock restarts when the server reads on or
+sends the 100. One timer per connection checks both deadlines when they may be due; reading a
+request only notes the time.
+
 A route may check the request head before its body is read (``Route.check``): an answer there
 leaves the body unread (dropped as it arrives). A handler answers with a :class:`Response`, or
 with a :class:`Deferred` one when it must wait (the receiver's inbox commit): no task per
@@ -57,8 +69,10 @@ log = logging.getLogger("opledger.consumer.server")
 MAX_HEAD_BYTES = 32 * 1024
 #: Unanswered requests of one connection before it is read no further (pipelining).
 MAX_PIPELINED = 16
-#: A connection that owes nothing and sent nothing for this long is closed (aiohttp's default).
+#: Default idle keep-alive timeout: no request being read, no answer owed (aiohttp's default).
 KEEPALIVE_S = 75.0
+#: Default time from a request's first byte until its head and body must have arrived.
+REQUEST_TIMEOUT_S = 30.0
 #: How long a connection closed after an answer keeps reading (and dropping) what still comes.
 LINGER_S = 5.0
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
@@ -240,7 +254,11 @@ class HttpServer:
         *,
         max_body: int,
         observe: _Observer | None = None,
+        keepalive_timeout_s: float = KEEPALIVE_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
+        if not (keepalive_timeout_s > 0 and request_timeout_s > 0):
+            raise ValueError("the keep-alive and request timeouts must be positive")
         self._routes = dict(routes)
         for (method, path), route in routes.items():
             if method == "GET":
@@ -252,22 +270,24 @@ class HttpServer:
         }
         self.max_body = max_body
         self.observe = observe
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.request_timeout_s = request_timeout_s
+        # No deadline can become due sooner than this after a connection's timer fired, so it
+        # is the longest the timer may wait when none is pending.
+        self.timer_horizon_s = min(keepalive_timeout_s, request_timeout_s)
         self.connections: set[_Connection] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host``:``port`` (0 picks one); the bound port."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
-        self._sweeper = loop.call_later(KEEPALIVE_S / 5, self._sweep)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 
     async def close(self, timeout: float = 5.0) -> None:
         """Stop listening, give the answers owed up to ``timeout`` seconds, close the rest."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         if self._server is None:
             return
         self._server.close()
@@ -278,13 +298,6 @@ class HttpServer:
             connection.close()
         await self._server.wait_closed()
         self._server = None
-
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for connection in list(self.connections):
-            if not connection.owes_answers and now - connection.last_read > KEEPALIVE_S:
-                connection.close()
-        self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_S / 5, self._sweep)
 
     def route(self, method: str, path: str) -> Route | Response:
         """The route, or the 404/405 answer."""
@@ -322,7 +335,9 @@ class _Connection(asyncio.Protocol):
     """One client connection: parses requests as they arrive, answers them in order."""
 
     def __init__(self, server: HttpServer) -> None:
+        assert server.loop is not None  # connections come once it listens
         self._server = server
+        self._loop = server.loop
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._exchanges: deque[_Exchange] = deque()
@@ -334,10 +349,13 @@ class _Connection(asyncio.Protocol):
         self._last_request = False  # the current request closes the connection after it
         self._closing = False  # a final answer is queued: nothing more is parsed
         self._eof = False  # the client sent all it will
-        self._lingering: asyncio.TimerHandle | None = None
+        # The one timer: the deadlines' check while the connection is open, then the linger's end.
+        self._timer: asyncio.TimerHandle | None = None
+        self._request_started: float | None = None  # loop time of the current request's 1st byte
+        self._idle_since = 0.0  # loop time the last answer owed was written
+        self._held = False  # input not read because MAX_PIPELINED answers are owed
         self._writes_paused = False
         self._reading = True
-        self.last_read = time.monotonic()
 
     @property
     def owes_answers(self) -> bool:
@@ -349,13 +367,16 @@ class _Connection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
         self._server.connections.add(self)
+        now = self._idle_since = self._loop.time()
+        self._timer = self._loop.call_at(now + self._server.timer_horizon_s, self._check_deadlines)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
         self._transport = None
         self._exchanges.clear()
-        if self._lingering is not None:
-            self._lingering.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def eof_received(self) -> bool | None:
         # The client sends no more: the answers owed are still written (the transport stays
@@ -382,7 +403,6 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return  # lingering: dropped
-        self.last_read = time.monotonic()
         if self._in_head:
             self._head_bytes += len(data)
         try:
@@ -403,6 +423,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._request_started = self._loop.time()
         self._in_head = True
         self._url = []
         self._fields = []
@@ -504,11 +525,14 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         exchange, self._current = self._current, None
+        self._request_started = None
         self._in_head = True
         self._head_bytes = 0
         if exchange is None or (self._closing and exchange.response is None):
             return
         exchange.complete = True
+        if not self._exchanges:  # answered from its head and written: idle from now on
+            self._idle_since = self._loop.time()
         if self._last_request:
             self._stop_parsing()
         if exchange.response is None:
@@ -573,6 +597,7 @@ class _Connection(asyncio.Protocol):
     def _stop_parsing(self) -> None:
         self._closing = True
         self._current = None
+        self._request_started = None
 
     def _flush(self) -> None:
         transport = self._transport
@@ -586,6 +611,8 @@ class _Connection(asyncio.Protocol):
                 ):
                     exchange.continued = True
                     transport.write(_CONTINUE)
+                    # The body is asked for only now: its time starts now.
+                    self._request_started = self._loop.time()
                 break
             exchanges.popleft()
             transport.write(self._encode(exchange, response))
@@ -593,6 +620,8 @@ class _Connection(asyncio.Protocol):
                 exchanges.clear()
                 self._linger(transport)
                 return
+            if not exchanges:
+                self._idle_since = self._loop.time()
         self._update_reading()
 
     def _encode(self, exchange: _Exchange, response: Response) -> bytes:
@@ -616,11 +645,14 @@ class _Connection(asyncio.Protocol):
         sends until it closes too, or ``LINGER_S`` passes."""
         self._stop_parsing()
         self._update_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._eof:
             transport.close()  # after what is buffered is written
         elif transport.can_write_eof():
             transport.write_eof()
-            self._lingering = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+            self._timer = self._loop.call_at(self._loop.time() + LINGER_S, transport.close)
         else:
             transport.close()
 
@@ -628,14 +660,74 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None:
             return
-        pipeline_full = len(self._exchanges) >= MAX_PIPELINED
-        reading = self._closing or not (pipeline_full or self._writes_paused)
+        held = not self._closing and len(self._exchanges) >= MAX_PIPELINED
+        if held != self._held:
+            self._held = held
+            if not held and self._request_started is not None:
+                # The request's rest waited on the server's answers, not on the client.
+                self._request_started = self._loop.time()
+        reading = self._closing or not (held or self._writes_paused)
         if reading != self._reading:
             self._reading = reading
             if reading:
                 transport.resume_reading()
             else:
                 transport.pause_reading()
+
+    # -- timeouts ------------------------------------------------------------------------------
+
+    def _check_deadlines(self) -> None:
+        """The timer: close an idle connection, refuse a request that is late, or wait again.
+
+        Reads only note times, so the timer often fires early (the client went on, or a request
+        began): it then waits until the deadline now due, or the horizon, whichever is sooner.
+        """
+        self._timer = None
+        transport = self._transport
+        if transport is None or self._closing:
+            return  # lingering, or the last answers are owed: the linger's timer follows
+        server = self._server
+        now = self._loop.time()
+        wake = now + server.timer_horizon_s
+        started = self._request_started
+        if started is not None:
+            if self._awaits_client():
+                deadline = started + server.request_timeout_s
+                if now >= deadline:
+                    self._request_timed_out(transport)
+                    return
+                wake = min(wake, deadline)
+        elif not self._exchanges:
+            deadline = self._idle_since + server.keepalive_timeout_s
+            if now >= deadline:
+                transport.close()
+                return
+            wake = min(wake, deadline)
+        self._timer = self._loop.call_at(wake, self._check_deadlines)
+
+    def _awaits_client(self) -> bool:
+        """Whether the request being read waits on the client's bytes rather than the server."""
+        if self._held:
+            return False
+        current = self._current
+        return current is None or not (
+            current.expects_continue and not current.continued and not current.body_size
+        )
+
+    def _request_timed_out(self, transport: asyncio.Transport) -> None:
+        exchange = self._current
+        if exchange is not None and exchange.response is not None:
+            # Answered from its head (a check refused it), its body still coming: that answer
+            # is the last, or was, and the connection closes.
+            exchange.close = True
+            self._stop_parsing()
+            if exchange in self._exchanges:
+                self._flush()
+            else:
+                self._linger(transport)
+            return
+        timeout = self._server.request_timeout_s
+        self._refuse(_http_refusal(408, f"the request did not arrive within {timeout:g} s"))
 
     def close(self) -> None:
         if self._transport is not None:

@@ -145,6 +145,13 @@ class Settings:
     #: OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S: how far a webhook-timestamp may be from now
     #: before the request is refused as stale, in seconds (1-300).
     consumer_timestamp_tolerance_s: int = MAX_TIMESTAMP_TOLERANCE_S
+    #: OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S: the receiver closes a connection with no request
+    #: being read and no answer owed after this many seconds (aiohttp's default, 75).
+    consumer_keepalive_timeout_s: int = 75
+    #: OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S: a request whose head and body have not all arrived
+    #: this many seconds after its first byte is answered 408 and its connection closed (the
+    #: time the receiver takes to answer does not count).
+    consumer_request_timeout_s: int = 30
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -188,6 +195,8 @@ class Settings:
             consumer_timestamp_tolerance_s=_int(
                 env, "OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", MAX_TIMESTAMP_TOLERANCE_S
             ),
+            consumer_keepalive_timeout_s=_int(env, "OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S", 75),
+            consumer_request_timeout_s=_int(env, "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", 30),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )
@@ -223,6 +232,8 @@ class Settings:
             ("delivery_max_attempts", 1),
             ("delivery_horizon_s", 1),
             ("delivery_concurrency", 1),
+            ("consumer_keepalive_timeout_s", 1),
+            ("consumer_request_timeout_s", 1),
         ):
             if getattr(self, name) < least:
                 raise SettingsError(

@@ -448,6 +448,31 @@ def test_a_delivery_sent_slowly_in_pieces_is_accepted(
     assert changes_per_operation(consumer_settings) == Counter({op: 1, second: 1})
 
 
+def test_the_receivers_timeouts_are_its_settings(consumer_settings: Settings) -> None:
+    running = RunningReceiver(
+        consumer_settings.with_(consumer_keepalive_timeout_s=1, consumer_request_timeout_s=1)
+    )
+    idle, late = RawConnection(running.port), RawConnection(running.port)
+    try:
+        op = new_op_id()
+        body = event_body(op)
+        wire = raw_post(body, signed_headers(op, body))
+        idle.send(wire)
+        assert idle.answer().status == 202
+        started = time.monotonic()
+        late.send(wire[:-5])  # its last bytes never come
+        assert_problem(late.answer(), 408, "request-timeout")
+        assert late.closed_by_server()
+        assert idle.closed_by_server()
+        assert time.monotonic() - started < 10  # not the defaults (30 s, 75 s)
+        assert running.metric("opledger_consumer_responses_total", status="408") == 1
+    finally:
+        idle.close()
+        late.close()
+        running.stop()
+    assert changes_per_operation(consumer_settings) == Counter({op: 1})
+
+
 def test_a_body_longer_than_its_content_length_is_refused_and_changes_nothing(
     receiver: RunningReceiver, consumer_settings: Settings
 ) -> None:

@@ -2,14 +2,16 @@
 event loops it runs on (uvloop in ``opledger consumer run``, asyncio's own in the tests'
 receivers): keep-alive and pipelining in order, bodies in pieces and chunked, the 413 before a
 body is read, malformed and oversized input refused with a problem document and the connection
-closed, 100-continue, HEAD, 404/405. No Kafka or PostgreSQL: the routes here are stand-ins; the
-receiver's own routes over this server are ``test_consumer.py``'s."""
+closed, 100-continue, HEAD, 404/405, the idle and request timeouts (and a slow handler cut by
+neither). No Kafka or PostgreSQL: the routes here are stand-ins; the receiver's own routes over
+this server are ``test_consumer.py``'s."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import select
 import socket
 import threading
 import time
@@ -20,7 +22,6 @@ from typing import Any
 import pytest
 import uvloop
 
-from consumers import server as server_module
 from consumers.contract import (
     PROBLEM_CONTENT_TYPE,
     PROBLEM_TYPE_PREFIX,
@@ -55,7 +56,9 @@ class Served:
     - ``GET /ping``: 200 ``{"pong": true}``.
     """
 
-    def __init__(self, loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    def __init__(
+        self, loop_factory: Callable[[], asyncio.AbstractEventLoop], **timeouts: float
+    ) -> None:
         self.loop = loop_factory()
         self.pending: list[Deferred] = []
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status) as observed
@@ -69,6 +72,7 @@ class Served:
             },
             max_body=MAX_BODY,
             observe=lambda r, a: self.seen.append((r.method, r.path, a.status)),
+            **timeouts,
         )
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -138,6 +142,22 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
         running.close()
 
 
+@pytest.fixture(params=sorted(LOOPS))
+def serve_with(request: pytest.FixtureRequest) -> Iterator[Callable[..., Served]]:
+    """Starts a :class:`Served` with the given timeouts (``HttpServer``'s arguments)."""
+    started: list[Served] = []
+
+    def start(**timeouts: float) -> Served:
+        started.append(Served(LOOPS[request.param], **timeouts))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for running in started:
+            running.close()
+
+
 @dataclass
 class Answer:
     status: int
@@ -178,6 +198,22 @@ class Client:
             assert self._fill(), "connection closed inside a body"
         body, self.buffer = self.buffer[:length], self.buffer[length:]
         return Answer(status, headers, body)
+
+    def trickle(self, data: bytes, interval: float = 0.05) -> float:
+        """Send ``data`` a byte every ``interval`` until the server writes or closes; the
+        seconds that took. Fails if all of ``data`` went without an answer."""
+        started = time.monotonic()
+        for byte in data:
+            self.sock.sendall(bytes([byte]))
+            readable, _, _ = select.select([self.sock], [], [], interval)
+            if readable:
+                return time.monotonic() - started
+        raise AssertionError(f"no answer to {len(data)} bytes sent over {interval * len(data)} s")
+
+    def quiet(self, seconds: float) -> bool:
+        """True if the server writes nothing (and does not close) for ``seconds``."""
+        readable, _, _ = select.select([self.sock], [], [], seconds)
+        return not readable
 
     def closed(self) -> bool:
         """True once the server has closed its side (EOF), with nothing left unread."""
@@ -596,28 +632,6 @@ def test_after_a_final_answer_input_is_dropped_until_the_linger_ends(served: Ser
         client.close()
 
 
-def test_an_idle_connection_is_closed_but_one_owed_an_answer_is_not(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(server_module, "KEEPALIVE_S", 0.5)
-    served = Served(asyncio.new_event_loop)
-    idle, waiting = Client(served.port), Client(served.port)
-    try:
-        idle.send(request("GET", "/ping"))
-        assert idle.answer().status == 200
-        waiting.send(request("POST", "/later", b"slow"))
-        served.wait_pending(1)
-        idle.sock.settimeout(5)
-        assert idle.closed()
-        time.sleep(0.5)
-        served.release(1)
-        assert waiting.answer().status == 202
-    finally:
-        idle.close()
-        waiting.close()
-        served.close()
-
-
 def test_close_answers_what_is_owed_first(served: Served) -> None:
     client = Client(served.port)
     try:
@@ -636,3 +650,192 @@ def test_close_answers_what_is_owed_first(served: Served) -> None:
         assert (answer.status, answer.body) == (202, b"late")
     finally:
         client.close()
+
+
+# --- timeouts ------------------------------------------------------------------------------------
+
+TIMEOUT_S = 0.3
+SLOW_HEAD = b"GET /ping HTTP/1.1\r\nHost: test\r\nX-Slow: " + b"s" * 200
+
+
+def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=30)
+    answered, silent, busy = Client(served.port), Client(served.port), Client(served.port)
+    try:
+        answered.send(request("GET", "/ping"))
+        assert answered.answer().status == 200
+        idle_from = time.monotonic()
+        # Requests more often than the timeout keep a connection: it counts from the last answer.
+        for _ in range(8):
+            busy.send(request("GET", "/ping"))
+            assert busy.answer().status == 200
+            time.sleep(TIMEOUT_S / 2)
+        assert answered.closed() and silent.closed()
+        assert time.monotonic() - idle_from < TIMEOUT_S * 10
+        busy.send(request("GET", "/ping"))
+        assert busy.answer().status == 200
+        busy_idle_from = time.monotonic()
+        assert busy.closed()
+        assert time.monotonic() - busy_idle_from >= TIMEOUT_S * 0.8
+    finally:
+        for client in (answered, silent, busy):
+            client.close()
+
+
+def test_a_head_sent_byte_by_byte_gets_408_and_the_connection_closed(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    client = Client(served.port)
+    try:
+        # Each byte comes well within the timeout: the request as a whole is late.
+        took = client.trickle(SLOW_HEAD)
+        assert took >= TIMEOUT_S * 0.9
+        answer = client.answer()
+        assert_problem(answer, 408, "request-timeout")
+        assert answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_a_body_sent_byte_by_byte_gets_408_and_the_connection_closed(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    client = Client(served.port)
+    try:
+        body = b"b" * 200
+        client.send(request("POST", "/echo", body)[: -len(body)])
+        took = client.trickle(body)
+        assert took < TIMEOUT_S * 10
+        answer = client.answer()
+        assert_problem(answer, 408, "request-timeout")
+        assert answer.headers["connection"] == "close"
+        assert client.closed()
+    finally:
+        client.close()
+    assert ("POST", "/echo", 408) in served.seen
+
+
+def test_answers_owed_before_a_late_request_are_written_first(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    client = Client(served.port)
+    try:
+        client.send(
+            request("POST", "/later", b"first")
+            + request("POST", "/echo", b"second", {"X-N": "2"})
+            + SLOW_HEAD[:20]
+        )
+        served.wait_pending(1)
+        # The third request is late while the first is still being answered: its 408 waits.
+        assert client.quiet(TIMEOUT_S * 3)
+        served.release(1)
+        first, second = client.answer(), client.answer()
+        assert (first.status, first.body) == (202, b"later")
+        assert second.json() == echo_of(b"second", "2")
+        assert_problem(client.answer(), 408, "request-timeout")
+        assert client.closed()
+    finally:
+        client.close()
+
+
+def test_a_slow_handler_is_cut_by_neither_timeout(serve_with: Callable[..., Served]) -> None:
+    served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=TIMEOUT_S)
+    client = Client(served.port)
+    try:
+        client.send(request("POST", "/later", b"slow") + request("GET", "/ping"))
+        served.wait_pending(1)
+        assert client.quiet(TIMEOUT_S * 4)  # the handler outlasts both timeouts
+        served.release(1)
+        answer = client.answer()
+        assert (answer.status, answer.body) == (202, b"later")
+        assert "connection" not in answer.headers
+        assert client.answer().json() == {"pong": True}
+        client.send(request("GET", "/ping"))  # and the connection goes on
+        assert client.answer().status == 200
+    finally:
+        client.close()
+
+
+# The timer checks at least every TIMEOUT_S (the keep-alive timeout, the smaller one here), so
+# each pause of the clients below, longer than that and shorter than the request timeout, meets
+# a check.
+HELD_REQUEST_TIMEOUT_S = 0.8
+HELD_BODY = b"the rest came once the server read on"
+
+
+def test_a_request_held_back_by_a_full_pipeline_is_not_timed(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=HELD_REQUEST_TIMEOUT_S)
+    body = HELD_BODY
+    full = Client(served.port)
+    try:
+        # MAX_PIPELINED requests owed: the server stops reading, so the last body's rest waits
+        # on the server's answers, not on the client; its clock restarts when reading does.
+        waiting = MAX_PIPELINED - 1
+        full.send(
+            b"".join(request("POST", "/later", b"%d" % i) for i in range(waiting))
+            + request("POST", "/echo", body)[:-10]
+        )
+        served.wait_pending(waiting)
+        time.sleep(HELD_REQUEST_TIMEOUT_S * 1.5)
+        served.release(waiting)
+        for _ in range(waiting):
+            assert full.answer().status == 202
+        time.sleep(TIMEOUT_S * 1.5)
+        full.send(body[-10:])
+        assert full.answer().json() == echo_of(body)
+    finally:
+        full.close()
+
+
+def test_a_body_behind_an_owed_answer_is_timed_from_its_100_continue(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=HELD_REQUEST_TIMEOUT_S)
+    body = HELD_BODY
+    expecting = Client(served.port)
+    try:
+        # The client waits for the 100, which waits for the answer owed before it.
+        expecting.send(
+            request("POST", "/later", b"first")
+            + request("POST", "/echo", body, {"Expect": "100-continue"})[: -len(body)]
+        )
+        served.wait_pending(1)
+        assert expecting.quiet(HELD_REQUEST_TIMEOUT_S * 1.5)
+        served.release(1)
+        assert expecting.answer().status == 202
+        assert expecting.answer(head_only=True).status == 100
+        time.sleep(TIMEOUT_S * 1.5)
+        expecting.send(body)
+        assert expecting.answer().json() == echo_of(body)
+    finally:
+        expecting.close()
+
+
+def test_a_body_still_coming_after_its_early_answer_is_cut_without_another(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    client = Client(served.port)
+    try:
+        body = b"c" * 200
+        client.send(request("POST", "/checked", body)[: -len(body)])
+        assert_problem(client.answer(), 400, "malformed-idempotency-key")  # from the head
+        client.trickle(body)
+        assert client.closed(), "a second answer to the refused request"
+    finally:
+        client.close()
+
+
+def test_timeouts_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        HttpServer({}, max_body=MAX_BODY, keepalive_timeout_s=0.0)
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        HttpServer({}, max_body=MAX_BODY, request_timeout_s=-1.0)

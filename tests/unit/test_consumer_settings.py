@@ -23,6 +23,7 @@ def test_consumer_defaults() -> None:
     assert s.consumer_dsn == "postgresql://opledger@127.0.0.1:15432/opledger_consumer"
     assert s.consumer_secret_list == ()
     assert s.consumer_keys_topic == "opledger.consumer-keys.v1"
+    assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (75, 30)
 
 
 def test_consumer_overrides() -> None:
@@ -34,6 +35,8 @@ def test_consumer_overrides() -> None:
             "OPLEDGER_CONSUMER_PG_DSN": "postgresql://u@db/inbox",
             "OPLEDGER_CONSUMER_SECRETS": f"{SECRET}  {OTHER_SECRET}",
             "OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S": "60",
+            "OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S": "5",
+            "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S": "7",
             "OPLEDGER_TOPIC_PREFIX": "t1",
         }
     )
@@ -44,6 +47,7 @@ def test_consumer_overrides() -> None:
     )
     assert s.consumer_secret_list == (SECRET, OTHER_SECRET)
     assert s.consumer_timestamp_tolerance_s == 60
+    assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (5, 7)
     assert s.consumer_keys_topic == "t1.consumer-keys.v1"
 
 
@@ -57,6 +61,9 @@ def test_consumer_overrides() -> None:
         ("OPLEDGER_CONSUMER_WEB_PORT", "abc"),
         ("OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", "0"),
         ("OPLEDGER_CONSUMER_TIMESTAMP_TOLERANCE_S", "301"),
+        ("OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S", "0"),
+        ("OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", "0"),
+        ("OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", "1.5"),
     ],
 )
 def test_bad_consumer_values_name_the_variable(name: str, raw: str) -> None:
