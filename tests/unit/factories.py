@@ -218,3 +218,25 @@ def delivery_events(draw: st.DrawFn) -> DeliveryTransitioned:
             error_texts if state is DeliveryState.DEAD_LETTERED else st.none() | error_texts
         ),
     )
+
+
+@st.composite
+def decision_events(draw: st.DrawFn) -> ReconciliationDecided:
+    decision = draw(st.sampled_from(Decision))
+    allowed = True if decision is Decision.NEW_ATTEMPT else draw(st.booleans())
+    return ReconciliationDecided(
+        event_id=draw(event_ids),
+        operation_id=draw(operation_ids),
+        tenant_id=draw(identifiers),
+        actor_id=draw(identifiers),
+        occurred_at=draw(aware_datetimes),
+        attempt=draw(st.integers(0, 1_000_000)),
+        lease_token=draw(st.none() | st.integers(1, 2**62)),
+        decision=decision,
+        lookup=draw(st.sampled_from(LookupStatus)),
+        provider_ref=draw(st.none() | provider_refs),
+        result_ref=draw(sha_refs) if decision is Decision.MARK_SUCCEEDED else None,
+        policy_version=draw(st.none() | event_ids),
+        policy_allowed=allowed,
+        reason=draw(error_texts),
+    )

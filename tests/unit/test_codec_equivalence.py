@@ -12,18 +12,7 @@ from typing import Any
 
 import fastavro
 import pytest
-from factories import (
-    aware_datetimes,
-    decided,
-    delivery_events,
-    error_texts,
-    event_ids,
-    execution_events,
-    identifiers,
-    operation_ids,
-    provider_refs,
-    sha_refs,
-)
+from factories import decided, decision_events, delivery_events, execution_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +25,7 @@ from ledger.codec import (
     default_codec,
 )
 from ledger.domain.events import ExecutionTransitioned, ReconciliationDecided, Transition
-from ledger.domain.reconcile import Decision, LookupStatus
+from ledger.domain.reconcile import Decision
 
 CODEC = default_codec()
 
@@ -150,30 +139,8 @@ def test_a_negative_union_branch_is_refused_and_a_long_varint_branch_is_read() -
     assert _codec_decode(padded)[1]["next_attempt_at"] is None
 
 
-@st.composite
-def decisions(draw: st.DrawFn) -> ReconciliationDecided:
-    decision = draw(st.sampled_from(Decision))
-    allowed = True if decision is Decision.NEW_ATTEMPT else draw(st.booleans())
-    return ReconciliationDecided(
-        event_id=draw(event_ids),
-        operation_id=draw(operation_ids),
-        tenant_id=draw(identifiers),
-        actor_id=draw(identifiers),
-        occurred_at=draw(aware_datetimes),
-        attempt=draw(st.integers(0, 1_000_000)),
-        lease_token=draw(st.none() | st.integers(1, 2**62)),
-        decision=decision,
-        lookup=draw(st.sampled_from(LookupStatus)),
-        provider_ref=draw(st.none() | provider_refs),
-        result_ref=draw(sha_refs) if decision is Decision.MARK_SUCCEEDED else None,
-        policy_version=draw(st.none() | event_ids),
-        policy_allowed=allowed,
-        reason=draw(error_texts),
-    )
-
-
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
-@given(event=decisions())
+@given(event=decision_events())
 def test_decisions_are_written_and_read_as_fastavro_does(event: ReconciliationDecided) -> None:
     name = DECISION_RECORD
     assert CODEC._current[name].plain is not None, "decisions take the direct path"
