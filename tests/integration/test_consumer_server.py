@@ -62,6 +62,7 @@ class Served:
         self.loop = loop_factory()
         self.pending: list[Deferred] = []
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status) as observed
+        self.clients: list[Client] = []
         self.server = HttpServer(
             {
                 ("POST", "/echo"): Route(self._echo, read_body=True),
@@ -77,6 +78,11 @@ class Served:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.port = self.call(self.server.start("127.0.0.1", 0))
+
+    def client(self) -> Client:
+        """A new connection to the server; :meth:`close` closes it, so a test need not."""
+        self.clients.append(Client(self.port))
+        return self.clients[-1]
 
     def call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
@@ -104,6 +110,10 @@ class Served:
         self.call(answer())
 
     def close(self) -> None:
+        # The clients first, as when each test closed its own: the server's close then ends
+        # only connections their clients have already left.
+        for client in self.clients:
+            client.close()
         self.call(self.server.close(timeout=1.0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
@@ -134,17 +144,9 @@ class Served:
 
 
 @pytest.fixture(params=sorted(LOOPS))
-def served(request: pytest.FixtureRequest) -> Iterator[Served]:
-    running = Served(LOOPS[request.param])
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=sorted(LOOPS))
 def serve_with(request: pytest.FixtureRequest) -> Iterator[Callable[..., Served]]:
-    """Starts a :class:`Served` with the given timeouts (``HttpServer``'s arguments)."""
+    """Starts a :class:`Served` with the given timeouts (``HttpServer``'s arguments); each is
+    closed, with its clients, when the test ends."""
     started: list[Served] = []
 
     def start(**timeouts: float) -> Served:
@@ -156,6 +158,12 @@ def serve_with(request: pytest.FixtureRequest) -> Iterator[Callable[..., Served]
     finally:
         for running in started:
             running.close()
+
+
+@pytest.fixture
+def served(serve_with: Callable[..., Served]) -> Served:
+    """A :class:`Served` with the default timeouts, on each loop (``serve_with``'s params)."""
+    return serve_with()
 
 
 @dataclass
@@ -248,79 +256,81 @@ def assert_problem(answer: Answer, status: int, slug: str) -> None:
     assert document["status"] == status and document["detail"]
 
 
+def assert_last_answer_is_problem(client: Client, status: int, slug: str) -> None:
+    """The next answer is the problem ``slug``, marked ``Connection: close``, and the server
+    closes the connection after it with nothing more written."""
+    answer = client.answer()
+    assert_problem(answer, status, slug)
+    assert answer.headers["connection"] == "close"
+    assert client.closed()
+
+
+def assert_serves(client: Client) -> None:
+    """The connection still answers a request (or, on a new one, the server still does)."""
+    client.send(request("GET", "/ping"))
+    assert client.answer().status == 200
+
+
 def echo_of(body: bytes, n: str | None = None) -> dict[str, Any]:
     return {"length": len(body), "sha256": hashlib.sha256(body).hexdigest(), "n": n}
+
+
+# A request whose answer waits on /later, then one answered at once: the second's answer must
+# not overtake the first's.
+WAITING_THEN_READY = b"".join(
+    [request("POST", "/later", b"first"), request("POST", "/echo", b"second", {"X-N": "2"})]
+)
+
+
+def assert_waiting_then_ready_answered(client: Client) -> None:
+    """The answers to :data:`WAITING_THEN_READY`, in its order (once ``/later`` is released)."""
+    first, second = client.answer(), client.answer()
+    assert (first.status, first.body) == (202, b"later")
+    assert second.json() == echo_of(b"second", "2")
 
 
 # --- keep-alive and pipelining -------------------------------------------------------------------
 
 
 def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        for i in range(50):
-            body = f"request {i}".encode()
-            client.send(request("POST", "/echo", body, {"X-N": str(i)}))
-            answer = client.answer()
-            assert answer.status == 200 and "connection" not in answer.headers
-            assert answer.json() == echo_of(body, str(i))
-            assert answer.headers["content-type"] == "application/json; charset=utf-8"
-            assert answer.headers["date"].endswith(" GMT")
-    finally:
-        client.close()
+    client = served.client()
+    for i in range(50):
+        body = f"request {i}".encode()
+        client.send(request("POST", "/echo", body, {"X-N": str(i)}))
+        answer = client.answer()
+        assert answer.status == 200 and "connection" not in answer.headers
+        assert answer.json() == echo_of(body, str(i))
+        assert answer.headers["content-type"] == "application/json; charset=utf-8"
+        assert answer.headers["date"].endswith(" GMT")
 
 
 def test_pipelined_requests_are_answered_in_their_order(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        # One write: a request whose answer waits, then two answered at once. Theirs must not
-        # overtake the first.
-        client.send(
-            request("POST", "/later", b"first")
-            + request("POST", "/echo", b"second", {"X-N": "2"})
-            + request("GET", "/ping")
-        )
-        time.sleep(0.2)
-        client.sock.settimeout(0.3)
-        with pytest.raises(TimeoutError):
-            client._fill()  # nothing may be written before the first answer
-        client.sock.settimeout(10)
-        served.release(1)
-        first, second, third = client.answer(), client.answer(), client.answer()
-        assert (first.status, first.body) == (202, b"later")
-        assert second.json() == echo_of(b"second", "2")
-        assert third.json() == {"pong": True}
-    finally:
-        client.close()
+    client = served.client()
+    # One write; the third request, answered at once too, must not overtake the first either.
+    client.send(WAITING_THEN_READY + request("GET", "/ping"))
+    assert client.quiet(0.5), "an answer was written before the first one"
+    served.release(1)
+    assert_waiting_then_ready_answered(client)
+    assert client.answer().json() == {"pong": True}
 
 
 def test_a_long_pipeline_is_answered_completely_and_in_order(served: Served) -> None:
     # More than MAX_PIPELINED at once: the server stops reading and resumes as it answers.
     count = MAX_PIPELINED * 6
-    client = Client(served.port)
-    try:
-        client.send(
-            b"".join(request("POST", "/echo", b"x" * i, {"X-N": str(i)}) for i in range(count))
-        )
-        for i in range(count):
-            assert client.answer().json() == echo_of(b"x" * i, str(i))
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"".join(request("POST", "/echo", b"x" * i, {"X-N": str(i)}) for i in range(count)))
+    for i in range(count):
+        assert client.answer().json() == echo_of(b"x" * i, str(i))
 
 
 def test_answers_owed_to_a_client_that_left_are_dropped(served: Served) -> None:
-    client = Client(served.port)
+    client = served.client()
     client.send(request("POST", "/later", b"gone"))
     served.wait_pending(1)
     client.close()
     time.sleep(0.1)
     served.release(1)  # answered after the client left: nothing to write to, no error
-    other = Client(served.port)
-    try:
-        other.send(request("GET", "/ping"))
-        assert other.answer().status == 200
-    finally:
-        other.close()
+    assert_serves(served.client())
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -328,66 +338,45 @@ def test_answers_owed_to_a_client_that_left_are_dropped(served: Served) -> None:
 
 def test_a_body_sent_slowly_in_pieces_is_read_whole(served: Served) -> None:
     body = bytes(range(256)) * 40
-    client = Client(served.port)
-    try:
-        head = request("POST", "/echo", body)[: -len(body)]
-        client.send(head[:10])
-        time.sleep(0.05)
-        client.send(head[10:])
-        for start in range(0, len(body), 1000):
-            time.sleep(0.02)
-            client.send(body[start : start + 1000])
-        assert client.answer().json() == echo_of(body)
-        client.send(request("GET", "/ping"))  # and the connection is still good
-        assert client.answer().status == 200
-    finally:
-        client.close()
+    client = served.client()
+    head = request("POST", "/echo", body)[: -len(body)]
+    client.send(head[:10])
+    time.sleep(0.05)
+    client.send(head[10:])
+    for start in range(0, len(body), 1000):
+        time.sleep(0.02)
+        client.send(body[start : start + 1000])
+    assert client.answer().json() == echo_of(body)
+    assert_serves(client)  # and the connection is still good
 
 
 def test_a_chunked_body_is_read_whole(served: Served) -> None:
     body = b"0123456789abcdef" * 300
     chunks = [body[i : i + 777] for i in range(0, len(body), 777)]
     wire = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-    client = Client(served.port)
-    try:
-        client.send(
-            b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n" + wire
-        )
-        assert client.answer().json() == echo_of(body)
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n" + wire)
+    assert client.answer().json() == echo_of(body)
 
 
 def test_a_body_longer_than_its_content_length_is_a_malformed_next_request(
     served: Served,
 ) -> None:
-    client = Client(served.port)
-    try:
-        body = b'{"a": 1}'
-        client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 3\r\n\r\n" + body)
-        first = client.answer()
-        assert first.json() == echo_of(body[:3])  # the request is what Content-Length framed
-        assert_problem(client.answer(), 400, "bad-request")  # the rest is not a request
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    body = b'{"a": 1}'
+    client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: 3\r\n\r\n" + body)
+    first = client.answer()
+    assert first.json() == echo_of(body[:3])  # the request is what Content-Length framed
+    assert_last_answer_is_problem(client, 400, "bad-request")  # the rest is not a request
 
 
 def test_content_length_over_the_bound_is_refused_before_the_body_is_sent(
     served: Served,
 ) -> None:
-    client = Client(served.port)
-    try:
-        # The head only: the 413 must come without the server waiting for the body.
-        client.send(
-            b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
-        )
-        answer = client.answer()
-        assert_problem(answer, 413, "body-too-large")
-        assert answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    # The head only: the 413 must come without the server waiting for the body.
+    client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1))
+    assert_last_answer_is_problem(client, 413, "body-too-large")
     assert ("POST", "/echo", 413) in served.seen
 
 
@@ -395,63 +384,44 @@ def test_an_oversized_body_sent_anyway_still_gets_its_413(served: Served) -> Non
     # The client writes everything before it reads: the server drops the body it refused
     # instead of resetting the connection under the client's feet.
     huge = b"x" * (MAX_BODY * 4)
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/echo", huge))
-        assert_problem(client.answer(), 413, "body-too-large")
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/echo", huge))
+    assert_last_answer_is_problem(client, 413, "body-too-large")
 
 
 def test_a_chunked_body_over_the_bound_is_refused(served: Served) -> None:
     chunk = b"y" * 8192
-    client = Client(served.port)
-    try:
-        client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(MAX_BODY // len(chunk) + 4):
-            client.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        client.send(b"0\r\n\r\n")
-        answer = client.answer()
-        assert_problem(answer, 413, "body-too-large")
-        assert answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"POST /echo HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for _ in range(MAX_BODY // len(chunk) + 4):
+        client.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    client.send(b"0\r\n\r\n")
+    assert_last_answer_is_problem(client, 413, "body-too-large")
 
 
 def test_a_check_refuses_without_the_body_and_the_connection_goes_on(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/checked", b"z" * 5000))
-        assert_problem(client.answer(), 400, "malformed-idempotency-key")
-        client.send(request("POST", "/checked", b"fine", {"X-Ok": "1"}))
-        assert client.answer().json() == echo_of(b"fine")
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/checked", b"z" * 5000))
+    assert_problem(client.answer(), 400, "malformed-idempotency-key")
+    client.send(request("POST", "/checked", b"fine", {"X-Ok": "1"}))
+    assert client.answer().json() == echo_of(b"fine")
 
 
 def test_expect_100_continue_gets_the_interim_answer_before_the_body(served: Served) -> None:
     body = b"after the interim answer"
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/echo", body, {"Expect": "100-continue"})[: -len(body)])
-        assert client.answer(head_only=True).status == 100
-        client.send(body)
-        assert client.answer().json() == echo_of(body)
-        # Refused by a check: no 100, the final answer, and the body is not waited for.
-        client.send(request("POST", "/checked", body, {"Expect": "100-continue"})[: -len(body)])
-        refused = client.answer()
-        assert_problem(refused, 400, "malformed-idempotency-key")
-        assert refused.headers["connection"] == "close"
-    finally:
-        client.close()
-    other = Client(served.port)
-    try:
-        other.send(request("POST", "/echo", body, {"Expect": "something-else"}))
-        assert_problem(other.answer(), 417, "expectation-failed")
-    finally:
-        other.close()
+    client = served.client()
+    client.send(request("POST", "/echo", body, {"Expect": "100-continue"})[: -len(body)])
+    assert client.answer(head_only=True).status == 100
+    client.send(body)
+    assert client.answer().json() == echo_of(body)
+    # Refused by a check: no 100, the final answer, and the body is not waited for.
+    client.send(request("POST", "/checked", body, {"Expect": "100-continue"})[: -len(body)])
+    refused = client.answer()
+    assert_problem(refused, 400, "malformed-idempotency-key")
+    assert refused.headers["connection"] == "close"
+    other = served.client()
+    other.send(request("POST", "/echo", body, {"Expect": "something-else"}))
+    assert_problem(other.answer(), 417, "expectation-failed")
 
 
 # --- malformed and refused -----------------------------------------------------------------------
@@ -474,182 +444,125 @@ def test_expect_100_continue_gets_the_interim_answer_before_the_body(served: Ser
 def test_a_malformed_request_gets_400_and_the_connection_closed(
     served: Served, wire: bytes
 ) -> None:
-    client = Client(served.port)
-    try:
-        client.send(wire)
-        answer = client.answer()
-        assert_problem(answer, 400, "bad-request")
-        assert answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
-    healthy = Client(served.port)
-    try:
-        healthy.send(request("GET", "/ping"))
-        assert healthy.answer().status == 200
-    finally:
-        healthy.close()
+    client = served.client()
+    client.send(wire)
+    assert_last_answer_is_problem(client, 400, "bad-request")
+    assert_serves(served.client())
 
 
 def test_a_malformed_request_after_a_good_one_leaves_the_good_answer_first(
     served: Served,
 ) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/later", b"ok") + b"NOT HTTP AT ALL\r\n\r\n")
-        served.release(1)
-        assert client.answer().status == 202
-        assert_problem(client.answer(), 400, "bad-request")
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/later", b"ok") + b"NOT HTTP AT ALL\r\n\r\n")
+    served.release(1)
+    assert client.answer().status == 202
+    assert_last_answer_is_problem(client, 400, "bad-request")
 
 
 def test_http11_without_host_is_refused(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(b"GET /ping HTTP/1.1\r\n\r\n")
-        assert_problem(client.answer(), 400, "bad-request")
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"GET /ping HTTP/1.1\r\n\r\n")
+    assert_last_answer_is_problem(client, 400, "bad-request")
 
 
 def test_a_head_over_the_bound_gets_431(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(b"GET /ping HTTP/1.1\r\nHost: test\r\n")
-        filler = b"X-Filler: " + b"f" * 1000 + b"\r\n"
-        for _ in range(MAX_HEAD_BYTES // len(filler) + 2):
-            client.send(filler)
-        answer = client.answer()
-        assert_problem(answer, 431, "request-header-fields-too-large")
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"GET /ping HTTP/1.1\r\nHost: test\r\n")
+    filler = b"X-Filler: " + b"f" * 1000 + b"\r\n"
+    for _ in range(MAX_HEAD_BYTES // len(filler) + 2):
+        client.send(filler)
+    assert_last_answer_is_problem(client, 431, "request-header-fields-too-large")
 
 
 def test_routes_unknown_paths_and_methods(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("GET", "/nope"))
-        assert_problem(client.answer(), 404, "not-found")
-        client.send(request("GET", "/echo"))
-        not_allowed = client.answer()
-        assert_problem(not_allowed, 405, "method-not-allowed")
-        assert not_allowed.headers["allow"] == "POST"
-        client.send(request("DELETE", "/ping"))
-        assert client.answer().headers["allow"] == "GET,HEAD"
-        client.send(request("HEAD", "/ping"))
-        head = client.answer(head_only=True)
-        assert head.status == 200 and head.headers["content-length"] == str(len(b'{"pong": true}'))
-        client.send(request("GET", "/ping?with=query"))  # the query is not part of the path
-        assert client.answer().json() == {"pong": True}
-        client.send(request("GET", "/%70ing"))  # percent-encoded: the same path
-        assert client.answer().json() == {"pong": True}
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("GET", "/nope"))
+    assert_problem(client.answer(), 404, "not-found")
+    client.send(request("GET", "/echo"))
+    not_allowed = client.answer()
+    assert_problem(not_allowed, 405, "method-not-allowed")
+    assert not_allowed.headers["allow"] == "POST"
+    client.send(request("DELETE", "/ping"))
+    assert client.answer().headers["allow"] == "GET,HEAD"
+    client.send(request("HEAD", "/ping"))
+    head = client.answer(head_only=True)
+    assert head.status == 200 and head.headers["content-length"] == str(len(b'{"pong": true}'))
+    client.send(request("GET", "/ping?with=query"))  # the query is not part of the path
+    assert client.answer().json() == {"pong": True}
+    client.send(request("GET", "/%70ing"))  # percent-encoded: the same path
+    assert client.answer().json() == {"pong": True}
 
 
 def test_a_failing_handler_answers_500_and_the_connection_goes_on(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/boom", b"x"))
-        assert_problem(client.answer(), 500, "internal")
-        client.send(request("GET", "/ping"))
-        assert client.answer().status == 200
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/boom", b"x"))
+    assert_problem(client.answer(), 500, "internal")
+    assert_serves(client)
 
 
 def test_a_deferred_answer_may_fail_with_a_problem_or_anything_else(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/later", b"a") + request("POST", "/later", b"b"))
-        served.release(1, malformed_key("refused later"))
-        assert_problem(client.answer(), 400, "malformed-idempotency-key")
-        served.release(1, RuntimeError("the database is gone"))
-        assert_problem(client.answer(), 500, "internal")
-        client.send(request("GET", "/ping"))  # the connection goes on
-        assert client.answer().status == 200
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/later", b"a") + request("POST", "/later", b"b"))
+    served.release(1, malformed_key("refused later"))
+    assert_problem(client.answer(), 400, "malformed-idempotency-key")
+    served.release(1, RuntimeError("the database is gone"))
+    assert_problem(client.answer(), 500, "internal")
+    assert_serves(client)  # the connection goes on
 
 
 def test_connection_close_and_http10_end_the_connection(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(
-            request("GET", "/ping", headers={"Connection": "close"}) + request("GET", "/ping")
-        )
-        answer = client.answer()
-        assert answer.status == 200 and answer.headers["connection"] == "close"
-        assert client.closed(), "the request after Connection: close was served"
-    finally:
-        client.close()
-    old = Client(served.port)
-    try:
-        old.send(b"GET /ping HTTP/1.0\r\n\r\n")
-        assert old.answer().status == 200
-        assert old.closed()
-    finally:
-        old.close()
+    client = served.client()
+    client.send(request("GET", "/ping", headers={"Connection": "close"}) + request("GET", "/ping"))
+    answer = client.answer()
+    assert answer.status == 200 and answer.headers["connection"] == "close"
+    assert client.closed(), "the request after Connection: close was served"
+    old = served.client()
+    old.send(b"GET /ping HTTP/1.0\r\n\r\n")
+    assert old.answer().status == 200
+    assert old.closed()
 
 
 def test_an_upgrade_is_ignored_without_a_body_and_refused_with_one(served: Served) -> None:
     upgrade = {"Connection": "Upgrade", "Upgrade": "h2c"}
-    client = Client(served.port)
-    try:
-        client.send(request("GET", "/ping", headers=upgrade))
-        answer = client.answer()
-        assert answer.json() == {"pong": True} and answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
-    with_body = Client(served.port)
-    try:
-        with_body.send(request("POST", "/echo", b"body", upgrade))
-        assert_problem(with_body.answer(), 400, "bad-request")
-        assert with_body.closed()
-    finally:
-        with_body.close()
+    client = served.client()
+    client.send(request("GET", "/ping", headers=upgrade))
+    answer = client.answer()
+    assert answer.json() == {"pong": True} and answer.headers["connection"] == "close"
+    assert client.closed()
+    with_body = served.client()
+    with_body.send(request("POST", "/echo", b"body", upgrade))
+    assert_last_answer_is_problem(with_body, 400, "bad-request")
 
 
 def test_after_a_final_answer_input_is_dropped_until_the_linger_ends(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(b"BLAH\r\n\r\n")
-        assert_problem(client.answer(), 400, "bad-request")
-        assert client.closed()  # half-closed by the server at once
-        refused_at = time.monotonic()
-        client.send(b"more bytes the server drops" * 100)  # not reset: it still reads
-        deadline = refused_at + LINGER_S + 3
-        while served.server.connections:
-            assert time.monotonic() < deadline, "the lingering connection was never closed"
-            time.sleep(0.05)
-        assert time.monotonic() - refused_at >= LINGER_S - 0.5
-    finally:
-        client.close()
+    client = served.client()
+    client.send(b"BLAH\r\n\r\n")
+    assert_last_answer_is_problem(client, 400, "bad-request")  # half-closed by the server at once
+    refused_at = time.monotonic()
+    client.send(b"more bytes the server drops" * 100)  # not reset: it still reads
+    deadline = refused_at + LINGER_S + 3
+    while served.server.connections:
+        assert time.monotonic() < deadline, "the lingering connection was never closed"
+        time.sleep(0.05)
+    assert time.monotonic() - refused_at >= LINGER_S - 0.5
 
 
 def test_close_answers_what_is_owed_first(served: Served) -> None:
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/later", b"owed"))
-        served.wait_pending(1)
+    client = served.client()
+    client.send(request("POST", "/later", b"owed"))
+    served.wait_pending(1)
 
-        async def close_while_owed() -> None:
-            closing = asyncio.ensure_future(served.server.close(timeout=5.0))
-            await asyncio.sleep(0.2)
-            assert not closing.done(), "closed with an answer owed"
-            served.pending.pop().resolve(Response(202, b"late", "text/plain"))
-            await closing
+    async def close_while_owed() -> None:
+        closing = asyncio.ensure_future(served.server.close(timeout=5.0))
+        await asyncio.sleep(0.2)
+        assert not closing.done(), "closed with an answer owed"
+        served.pending.pop().resolve(Response(202, b"late", "text/plain"))
+        await closing
 
-        served.call(close_while_owed())
-        answer = client.answer()
-        assert (answer.status, answer.body) == (202, b"late")
-    finally:
-        client.close()
+    served.call(close_while_owed())
+    answer = client.answer()
+    assert (answer.status, answer.body) == (202, b"late")
 
 
 # --- timeouts ------------------------------------------------------------------------------------
@@ -662,61 +575,41 @@ def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
     serve_with: Callable[..., Served],
 ) -> None:
     served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=30)
-    answered, silent, busy = Client(served.port), Client(served.port), Client(served.port)
-    try:
-        answered.send(request("GET", "/ping"))
-        assert answered.answer().status == 200
-        idle_from = time.monotonic()
-        # Requests more often than the timeout keep a connection: it counts from the last answer.
-        for _ in range(8):
-            busy.send(request("GET", "/ping"))
-            assert busy.answer().status == 200
-            time.sleep(TIMEOUT_S / 2)
-        assert answered.closed() and silent.closed()
-        assert time.monotonic() - idle_from < TIMEOUT_S * 10
-        busy.send(request("GET", "/ping"))
-        assert busy.answer().status == 200
-        busy_idle_from = time.monotonic()
-        assert busy.closed()
-        assert time.monotonic() - busy_idle_from >= TIMEOUT_S * 0.8
-    finally:
-        for client in (answered, silent, busy):
-            client.close()
+    answered, silent, busy = served.client(), served.client(), served.client()
+    assert_serves(answered)
+    idle_from = time.monotonic()
+    # Requests more often than the timeout keep a connection: it counts from the last answer.
+    for _ in range(8):
+        assert_serves(busy)
+        time.sleep(TIMEOUT_S / 2)
+    assert answered.closed() and silent.closed()
+    assert time.monotonic() - idle_from < TIMEOUT_S * 10
+    assert_serves(busy)
+    busy_idle_from = time.monotonic()
+    assert busy.closed()
+    assert time.monotonic() - busy_idle_from >= TIMEOUT_S * 0.8
 
 
 def test_a_head_sent_byte_by_byte_gets_408_and_the_connection_closed(
     serve_with: Callable[..., Served],
 ) -> None:
-    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
-    client = Client(served.port)
-    try:
-        # Each byte comes well within the timeout: the request as a whole is late.
-        took = client.trickle(SLOW_HEAD)
-        assert took >= TIMEOUT_S * 0.9
-        answer = client.answer()
-        assert_problem(answer, 408, "request-timeout")
-        assert answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
+    client = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S).client()
+    # Each byte comes well within the timeout: the request as a whole is late.
+    took = client.trickle(SLOW_HEAD)
+    assert took >= TIMEOUT_S * 0.9
+    assert_last_answer_is_problem(client, 408, "request-timeout")
 
 
 def test_a_body_sent_byte_by_byte_gets_408_and_the_connection_closed(
     serve_with: Callable[..., Served],
 ) -> None:
     served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
-    client = Client(served.port)
-    try:
-        body = b"b" * 200
-        client.send(request("POST", "/echo", body)[: -len(body)])
-        took = client.trickle(body)
-        assert took < TIMEOUT_S * 10
-        answer = client.answer()
-        assert_problem(answer, 408, "request-timeout")
-        assert answer.headers["connection"] == "close"
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    body = b"b" * 200
+    client.send(request("POST", "/echo", body)[: -len(body)])
+    took = client.trickle(body)
+    assert took < TIMEOUT_S * 10
+    assert_last_answer_is_problem(client, 408, "request-timeout")
     assert ("POST", "/echo", 408) in served.seen
 
 
@@ -724,42 +617,28 @@ def test_answers_owed_before_a_late_request_are_written_first(
     serve_with: Callable[..., Served],
 ) -> None:
     served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
-    client = Client(served.port)
-    try:
-        client.send(
-            request("POST", "/later", b"first")
-            + request("POST", "/echo", b"second", {"X-N": "2"})
-            + SLOW_HEAD[:20]
-        )
-        served.wait_pending(1)
-        # The third request is late while the first is still being answered: its 408 waits.
-        assert client.quiet(TIMEOUT_S * 3)
-        served.release(1)
-        first, second = client.answer(), client.answer()
-        assert (first.status, first.body) == (202, b"later")
-        assert second.json() == echo_of(b"second", "2")
-        assert_problem(client.answer(), 408, "request-timeout")
-        assert client.closed()
-    finally:
-        client.close()
+    client = served.client()
+    client.send(WAITING_THEN_READY + SLOW_HEAD[:20])
+    served.wait_pending(1)
+    # The third request is late while the first is still being answered: its 408 waits.
+    assert client.quiet(TIMEOUT_S * 3)
+    served.release(1)
+    assert_waiting_then_ready_answered(client)
+    assert_last_answer_is_problem(client, 408, "request-timeout")
 
 
 def test_a_slow_handler_is_cut_by_neither_timeout(serve_with: Callable[..., Served]) -> None:
     served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=TIMEOUT_S)
-    client = Client(served.port)
-    try:
-        client.send(request("POST", "/later", b"slow") + request("GET", "/ping"))
-        served.wait_pending(1)
-        assert client.quiet(TIMEOUT_S * 4)  # the handler outlasts both timeouts
-        served.release(1)
-        answer = client.answer()
-        assert (answer.status, answer.body) == (202, b"later")
-        assert "connection" not in answer.headers
-        assert client.answer().json() == {"pong": True}
-        client.send(request("GET", "/ping"))  # and the connection goes on
-        assert client.answer().status == 200
-    finally:
-        client.close()
+    client = served.client()
+    client.send(request("POST", "/later", b"slow") + request("GET", "/ping"))
+    served.wait_pending(1)
+    assert client.quiet(TIMEOUT_S * 4)  # the handler outlasts both timeouts
+    served.release(1)
+    answer = client.answer()
+    assert (answer.status, answer.body) == (202, b"later")
+    assert "connection" not in answer.headers
+    assert client.answer().json() == {"pong": True}
+    assert_serves(client)  # and the connection goes on
 
 
 # The timer checks at least every TIMEOUT_S (the keep-alive timeout, the smaller one here), so
@@ -773,65 +652,53 @@ def test_a_request_held_back_by_a_full_pipeline_is_not_timed(
     serve_with: Callable[..., Served],
 ) -> None:
     served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=HELD_REQUEST_TIMEOUT_S)
-    body = HELD_BODY
-    full = Client(served.port)
-    try:
-        # MAX_PIPELINED requests owed: the server stops reading, so the last body's rest waits
-        # on the server's answers, not on the client; its clock restarts when reading does.
-        waiting = MAX_PIPELINED - 1
-        full.send(
-            b"".join(request("POST", "/later", b"%d" % i) for i in range(waiting))
-            + request("POST", "/echo", body)[:-10]
-        )
-        served.wait_pending(waiting)
-        time.sleep(HELD_REQUEST_TIMEOUT_S * 1.5)
-        served.release(waiting)
-        for _ in range(waiting):
-            assert full.answer().status == 202
-        time.sleep(TIMEOUT_S * 1.5)
-        full.send(body[-10:])
-        assert full.answer().json() == echo_of(body)
-    finally:
-        full.close()
+    full = served.client()
+    # MAX_PIPELINED requests owed: the server stops reading, so the last body's rest waits
+    # on the server's answers, not on the client; its clock restarts when reading does.
+    waiting = MAX_PIPELINED - 1
+    full.send(
+        b"".join(request("POST", "/later", b"%d" % i) for i in range(waiting))
+        + request("POST", "/echo", HELD_BODY)[:-10]
+    )
+    served.wait_pending(waiting)
+    time.sleep(HELD_REQUEST_TIMEOUT_S * 1.5)
+    served.release(waiting)
+    for _ in range(waiting):
+        assert full.answer().status == 202
+    time.sleep(TIMEOUT_S * 1.5)
+    full.send(HELD_BODY[-10:])
+    assert full.answer().json() == echo_of(HELD_BODY)
 
 
 def test_a_body_behind_an_owed_answer_is_timed_from_its_100_continue(
     serve_with: Callable[..., Served],
 ) -> None:
     served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=HELD_REQUEST_TIMEOUT_S)
-    body = HELD_BODY
-    expecting = Client(served.port)
-    try:
-        # The client waits for the 100, which waits for the answer owed before it.
-        expecting.send(
-            request("POST", "/later", b"first")
-            + request("POST", "/echo", body, {"Expect": "100-continue"})[: -len(body)]
-        )
-        served.wait_pending(1)
-        assert expecting.quiet(HELD_REQUEST_TIMEOUT_S * 1.5)
-        served.release(1)
-        assert expecting.answer().status == 202
-        assert expecting.answer(head_only=True).status == 100
-        time.sleep(TIMEOUT_S * 1.5)
-        expecting.send(body)
-        assert expecting.answer().json() == echo_of(body)
-    finally:
-        expecting.close()
+    expecting = served.client()
+    # The client waits for the 100, which waits for the answer owed before it.
+    expecting.send(
+        request("POST", "/later", b"first")
+        + request("POST", "/echo", HELD_BODY, {"Expect": "100-continue"})[: -len(HELD_BODY)]
+    )
+    served.wait_pending(1)
+    assert expecting.quiet(HELD_REQUEST_TIMEOUT_S * 1.5)
+    served.release(1)
+    assert expecting.answer().status == 202
+    assert expecting.answer(head_only=True).status == 100
+    time.sleep(TIMEOUT_S * 1.5)
+    expecting.send(HELD_BODY)
+    assert expecting.answer().json() == echo_of(HELD_BODY)
 
 
 def test_a_body_still_coming_after_its_early_answer_is_cut_without_another(
     serve_with: Callable[..., Served],
 ) -> None:
-    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
-    client = Client(served.port)
-    try:
-        body = b"c" * 200
-        client.send(request("POST", "/checked", body)[: -len(body)])
-        assert_problem(client.answer(), 400, "malformed-idempotency-key")  # from the head
-        client.trickle(body)
-        assert client.closed(), "a second answer to the refused request"
-    finally:
-        client.close()
+    client = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S).client()
+    body = b"c" * 200
+    client.send(request("POST", "/checked", body)[: -len(body)])
+    assert_problem(client.answer(), 400, "malformed-idempotency-key")  # from the head
+    client.trickle(body)
+    assert client.closed(), "a second answer to the refused request"
 
 
 def test_timeouts_must_be_positive() -> None:
