@@ -88,8 +88,9 @@ _HISTORY_COLUMNS = (
 )
 
 
-#: Operations whose current rows a projection keeps in memory between batches.
-ROW_CACHE_LIMIT = 100_000
+#: Operations whose current rows a projection keeps in memory between batches (about 3 KB each
+#: with their deliveries: ~64 MB at most).
+ROW_CACHE_LIMIT = 20_000
 
 _Row = TypeVar("_Row")
 
