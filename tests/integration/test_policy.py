@@ -355,8 +355,11 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
             )
         )
         _write(isolated, *changes[-len(subjects) - 1 :])
+        # Folded while its segment is still the active one (never compacted): the cleaner may
+        # run at any moment once the next append rolls it, and "folded from every record"
+        # must hold before compaction is waited for.
+        project_in_process(isolated)
         time.sleep(0.3)  # the next append rolls the segment: only closed ones are compacted
-    project_in_process(isolated)
     table = (
         "SELECT tenant_id, principal, tool_name, revoked, destinations, repeat_safe, version "
         "FROM policy_grants ORDER BY 1, 2, 3"
