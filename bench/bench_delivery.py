@@ -47,6 +47,7 @@ from ledger.destinations import DestinationStore, Kind, new_secret
 from ledger.domain.events import ExecutionTransitioned, PolicyChange, PolicyChanged
 from ledger.domain.ids import content_ref, event_id, operation_id, request_hash
 from ledger.domain.states import ExecutionState
+from ledger.heap import freeze_startup_heap
 from ledger.history import HistoryReader
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
@@ -308,6 +309,7 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
         on_assign(consumer, partitions)
 
     worker._on_assign = noting_assignment
+    freeze_startup_heap()  # as the worker's host does once it has started (processors/app.py)
     try:
         worker.join()
         acked = metrics.deliveries.labels(DESTINATION, "acked")

@@ -47,6 +47,7 @@ from ledger.domain import ids
 from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.reconcile import LookupStatus
 from ledger.domain.states import ExecutionState
+from ledger.heap import freeze_startup_heap
 from ledger.history import HistoryReader
 from ledger.leases import LeaseStore, process_identity
 from ledger.metrics import Metrics
@@ -357,6 +358,7 @@ def main() -> None:
             raw_per_s = raw_lookups(provider, op_ids, args.threads)
             raw_many_per_s = raw_lookup_many(provider, op_ids)
             built = build_worker(settings, provider, args.threads)
+            freeze_startup_heap()  # as the worker host does once started (processors/app.py)
             main_profile = cProfile.Profile() if args.profile else None
             thread_profiles = ThreadProfiles()
             if args.profile:

@@ -60,6 +60,7 @@ from consumers.server import (
     problem_response,
 )
 from consumers.signatures import SignatureVerifier
+from ledger.heap import freeze_startup_heap
 from ledger.pg import DatabaseUnavailableError
 
 __all__ = ["BatchWriter", "Receiver", "problem_response", "serve"]
@@ -292,6 +293,8 @@ async def serve(
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # a failed start ends the process with its error
+            frozen = freeze_startup_heap()
+            log.info("start-up heap frozen: %d objects out of the collector's reach", frozen)
             await stopping
         else:
             starting.cancel()

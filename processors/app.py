@@ -19,6 +19,7 @@ import faust
 import mode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ledger.heap import freeze_startup_heap
 from ledger.settings import Settings
 
 log = logging.getLogger("opledger.worker")
@@ -94,6 +95,8 @@ def create_app(
                     outcome = exc
                 loop.call_soon_threadsafe(finished.set_result, outcome)
 
+            frozen = freeze_startup_heap()  # start-up is over: faust, the clients, the schemas
+            log.info("%s: start-up heap frozen (%d objects)", name, frozen)
             # A daemon thread, not the default executor: a SIGTERM that arrives while faust is
             # still starting may never reach on_stop, and a non-daemon thread would then keep
             # the process alive. Killing the loop mid-batch is safe: offsets commit with rows.
