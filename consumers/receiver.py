@@ -50,6 +50,7 @@ from consumers.runtime import ConsumerRuntime
 from consumers.server import (
     JSON_CONTENT_TYPE,
     KEEPALIVE_S,
+    MAX_CONNECTIONS,
     REQUEST_TIMEOUT_S,
     Deferred,
     HttpServer,
@@ -131,6 +132,7 @@ class Receiver:
         writers: int = 1,
         keepalive_timeout_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.runtime = runtime
         self._verifier = verifier
@@ -156,6 +158,7 @@ class Receiver:
             observe=self._observe,
             keepalive_timeout_s=keepalive_timeout_s,
             request_timeout_s=request_timeout_s,
+            max_connections=max_connections,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -175,9 +178,12 @@ class Receiver:
             await self._inbox.close()
             self._inbox = None
 
-    def _observe(self, request: Request, response: Response) -> None:
-        if request.path == "/events":
-            self._latency.observe(time.perf_counter() - request.started)
+    def _observe(self, request: Request | None, response: Response) -> None:
+        # Answers given before a request could be read (None) count among /events': that is
+        # the only route a sender posts to.
+        if request is None or request.path == "/events":
+            if request is not None:
+                self._latency.observe(time.perf_counter() - request.started)
             child = self._responses.get((response.status, response.reason))
             if child is None:  # a bounded set: statuses and fixed reason words
                 child = self._metrics.responses.labels(
@@ -282,6 +288,7 @@ async def serve(
         verifier,
         keepalive_timeout_s=settings.consumer_keepalive_timeout_s,
         request_timeout_s=settings.consumer_request_timeout_s,
+        max_connections=settings.consumer_max_connections,
     )
     try:
         bound = await receiver.start(host, port)

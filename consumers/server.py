@@ -21,8 +21,11 @@ first byte is answered 408 and the connection closed, after the answers owed bef
 order. A handler may take as long as it needs: a request that has arrived is not timed, nor is
 one the server itself holds back (its pipeline full of unanswered requests, or its
 ``Expect: 100-continue`` not yet answered); its clock restarts when the server reads on or
-sends the 100. One timer per connection checks both deadlines when they may be due; reading a
-request only notes the time.
+sends the 100. The second also bounds a client that stops reading: once the answers written to
+it have gone unread over the transport's buffer limit for ``request_timeout_s``, the connection
+is reset, and a connection closed at a deadline with answers still unread is reset too (a plain
+close would wait for that client for ever). One timer per connection checks the deadlines when
+they may be due; reading a request only notes the time.
 
 A route may check the request head before its body is read (``Route.check``): an answer there
 leaves the body unread (dropped as it arrives). A handler answers with a :class:`Response`, or
@@ -73,6 +76,9 @@ MAX_PIPELINED = 16
 KEEPALIVE_S = 75.0
 #: Default time from a request's first byte until its head and body must have arrived.
 REQUEST_TIMEOUT_S = 30.0
+#: Default bound on open connections: past it a new one is answered 503 and closed at once
+#: (each costs a file descriptor, and the process has a bounded number of those).
+MAX_CONNECTIONS = 512
 #: How long a connection closed after an answer keeps reading (and dropping) what still comes.
 LINGER_S = 5.0
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
@@ -242,7 +248,9 @@ class _Exchange:
         self.body_size = 0
 
 
-_Observer = Callable[[Request, Response], None]
+#: Called with each answer and its request; ``None`` for an answer given before a request could
+#: be read (a 408 or 400 inside a request head, a 503 to a connection over the bound).
+_Observer = Callable[[Request | None, Response], None]
 
 
 class HttpServer:
@@ -256,9 +264,13 @@ class HttpServer:
         observe: _Observer | None = None,
         keepalive_timeout_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if not (keepalive_timeout_s > 0 and request_timeout_s > 0):
             raise ValueError("the keep-alive and request timeouts must be positive")
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.max_connections = max_connections
         self._routes = dict(routes)
         for (method, path), route in routes.items():
             if method == "GET":
@@ -355,6 +367,7 @@ class _Connection(asyncio.Protocol):
         self._idle_since = 0.0  # loop time the last answer owed was written
         self._held = False  # input not read because MAX_PIPELINED answers are owed
         self._writes_paused = False
+        self._writes_paused_at = 0.0  # loop time the transport's buffer went over its limit
         self._reading = True
 
     @property
@@ -366,9 +379,25 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
-        self._server.connections.add(self)
+        server = self._server
+        if len(server.connections) >= server.max_connections:
+            self._turn_away(self._transport)
+            return
+        server.connections.add(self)
         now = self._idle_since = self._loop.time()
         self._timer = self._loop.call_at(now + self._server.timer_horizon_s, self._check_deadlines)
+
+    def _turn_away(self, transport: asyncio.Transport) -> None:
+        """Answer 503 before any request is read, and close: the server holds as many
+        connections as it may."""
+        self._closing = True
+        self._transport = None  # never served: nothing else is written nor timed
+        response = problem_response(_BUSY)
+        exchange = _Exchange(None, close=True)
+        transport.write(self._encode(exchange, response))
+        transport.close()
+        if self._server.observe is not None:
+            self._server.observe(None, response)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
@@ -394,6 +423,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writes_paused = True
+        self._writes_paused_at = self._loop.time()
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -579,9 +609,9 @@ class _Connection(asyncio.Protocol):
 
     def _answer(self, exchange: _Exchange, response: Response) -> None:
         exchange.response = response
-        observe, request = self._server.observe, exchange.request
-        if observe is not None and request is not None:
-            observe(request, response)
+        observe = self._server.observe
+        if observe is not None:
+            observe(exchange.request, response)
 
     def _refuse(self, response: Response) -> None:
         """Answer the request being read (or a new one) with ``response``, then close."""
@@ -652,7 +682,9 @@ class _Connection(asyncio.Protocol):
             transport.close()  # after what is buffered is written
         elif transport.can_write_eof():
             transport.write_eof()
-            self._timer = self._loop.call_at(self._loop.time() + LINGER_S, transport.close)
+            self._timer = self._loop.call_at(
+                self._loop.time() + LINGER_S, self._close_unread, transport
+            )
         else:
             transport.close()
 
@@ -689,6 +721,18 @@ class _Connection(asyncio.Protocol):
         server = self._server
         now = self._loop.time()
         wake = now + server.timer_horizon_s
+        if self._writes_paused:
+            # The client does not read its answers: its connection is given up, not kept
+            # open (with the answers buffered) for as long as it likes.
+            deadline = self._writes_paused_at + server.request_timeout_s
+            if now >= deadline:
+                log.info(
+                    "closing a connection whose client read no answer for %gs",
+                    now - self._writes_paused_at,
+                )
+                transport.abort()
+                return
+            wake = min(wake, deadline)
         started = self._request_started
         if started is not None:
             if self._awaits_client():
@@ -700,10 +744,19 @@ class _Connection(asyncio.Protocol):
         elif not self._exchanges:
             deadline = self._idle_since + server.keepalive_timeout_s
             if now >= deadline:
-                transport.close()
+                self._close_unread(transport)
                 return
             wake = min(wake, deadline)
         self._timer = self._loop.call_at(wake, self._check_deadlines)
+
+    @staticmethod
+    def _close_unread(transport: asyncio.Transport) -> None:
+        """Close at a deadline: what is still buffered was not read in time, and ``close()``
+        would wait for the client to read it, for ever if it never does."""
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
 
     def _awaits_client(self) -> bool:
         """Whether the request being read waits on the client's bytes rather than the server."""
@@ -735,6 +788,13 @@ class _Connection(asyncio.Protocol):
 
 
 _INTERNAL = Problem(500, "internal", "Internal error", "the receiver failed; retry")
+_BUSY = Problem(
+    503,
+    "too-many-connections",
+    "Too many connections",
+    "the receiver holds as many connections as it may; retry, or reuse a connection",
+    retry_after_s=1,
+)
 
 
 def _first_line(error: Exception) -> str:

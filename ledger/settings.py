@@ -152,6 +152,9 @@ class Settings:
     #: this many seconds after its first byte is answered 408 and its connection closed (the
     #: time the receiver takes to answer does not count).
     consumer_request_timeout_s: int = 30
+    #: OPLEDGER_CONSUMER_MAX_CONNECTIONS: connections the receiver holds open at once; one more
+    #: is answered 503 (Retry-After: 1) and closed before its request is read.
+    consumer_max_connections: int = 512
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -197,6 +200,7 @@ class Settings:
             ),
             consumer_keepalive_timeout_s=_int(env, "OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S", 75),
             consumer_request_timeout_s=_int(env, "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", 30),
+            consumer_max_connections=_int(env, "OPLEDGER_CONSUMER_MAX_CONNECTIONS", 512),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )
@@ -234,6 +238,7 @@ class Settings:
             ("delivery_concurrency", 1),
             ("consumer_keepalive_timeout_s", 1),
             ("consumer_request_timeout_s", 1),
+            ("consumer_max_connections", 1),
         ):
             if getattr(self, name) < least:
                 raise SettingsError(

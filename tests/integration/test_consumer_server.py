@@ -9,6 +9,7 @@ this server are ``test_consumer.py``'s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import select
@@ -40,6 +41,7 @@ from consumers.server import (
 )
 
 MAX_BODY = 64 * 1024
+BIG_BODY = b"x" * (1024 * 1024)
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
     "uvloop": uvloop.new_event_loop,
@@ -54,6 +56,7 @@ class Served:
     - ``POST /checked``: refused by its check (400) unless ``X-Ok: 1``; then like ``/echo``.
     - ``POST /boom``: the handler raises.
     - ``GET /ping``: 200 ``{"pong": true}``.
+    - ``GET /big``: 200 with :data:`BIG_BODY`.
     """
 
     def __init__(
@@ -70,9 +73,12 @@ class Served:
                 ("POST", "/checked"): Route(self._echo, check=self._check, read_body=True),
                 ("POST", "/boom"): Route(self._boom, read_body=True),
                 ("GET", "/ping"): Route(lambda _r: json_response({"pong": True})),
+                ("GET", "/big"): Route(lambda _r: Response(200, BIG_BODY, "text/plain")),
             },
             max_body=MAX_BODY,
-            observe=lambda r, a: self.seen.append((r.method, r.path, a.status)),
+            observe=lambda r, a: self.seen.append(
+                (r.method, r.path, a.status) if r is not None else ("", "", a.status)
+            ),
             **timeouts,
         )
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -627,6 +633,61 @@ def test_answers_owed_before_a_late_request_are_written_first(
     assert_last_answer_is_problem(client, 408, "request-timeout")
 
 
+def test_a_client_that_stops_reading_is_cut_off(serve_with: Callable[..., Served]) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, set first
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", served.port))
+    try:
+        asked = MAX_PIPELINED
+        sock.sendall(request("GET", "/big") * asked)  # and then read nothing
+        deadline = time.monotonic() + 10
+        while served.call(_connection_count(served.server)):
+            assert time.monotonic() < deadline, "the server kept a client that reads nothing"
+            time.sleep(0.05)
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        assert received < asked * len(BIG_BODY)  # cut off, not served
+    finally:
+        sock.close()
+    assert_serves(served.client())
+
+
+async def _connection_count(server: HttpServer) -> int:
+    return len(server.connections)
+
+
+def test_connections_over_the_bound_get_503_and_are_closed(
+    serve_with: Callable[..., Served],
+) -> None:
+    served = serve_with(max_connections=2)
+    held = [served.client(), served.client()]
+    for client in held:
+        assert_serves(client)
+    turned_away = served.client()
+    assert_last_answer_is_problem(turned_away, 503, "too-many-connections")
+    assert ("", "", 503) in served.seen  # observed, though no request was read
+    for client in held:
+        assert_serves(client)  # the connections already held are served on
+    held[0].close()
+    deadline = time.monotonic() + 10
+    while served.call(_connection_count(served.server)) > 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert_serves(served.client())  # a place came free
+
+
+def test_an_answer_before_any_request_is_observed(serve_with: Callable[..., Served]) -> None:
+    served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
+    client = served.client()
+    client.trickle(SLOW_HEAD)
+    assert_last_answer_is_problem(client, 408, "request-timeout")
+    assert ("", "", 408) in served.seen
+
+
 def test_a_slow_handler_is_cut_by_neither_timeout(serve_with: Callable[..., Served]) -> None:
     served = serve_with(keepalive_timeout_s=TIMEOUT_S, request_timeout_s=TIMEOUT_S)
     client = served.client()
@@ -706,3 +767,5 @@ def test_timeouts_must_be_positive() -> None:
         HttpServer({}, max_body=MAX_BODY, keepalive_timeout_s=0.0)
     with pytest.raises(ValueError, match="timeouts must be positive"):
         HttpServer({}, max_body=MAX_BODY, request_timeout_s=-1.0)
+    with pytest.raises(ValueError, match="max_connections"):
+        HttpServer({}, max_body=MAX_BODY, max_connections=0)
