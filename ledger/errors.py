@@ -51,6 +51,11 @@ class DeliveryError(RecordError):
         return next(iter(self.handles.values()))
 
 
+class RecordTooLargeError(RecordError, ValueError):
+    """A record is larger than the producer may send (``ledger.kafka.MESSAGE_MAX_BYTES``, key,
+    value and headers together); nothing was sent. Sending it again cannot succeed."""
+
+
 class DeliveryTimeoutError(DeliveryError):
     """No acknowledgement within the delivery timeout. The record may still have been written:
     the outcome is unknown, so resend the same event (``recorder.resend(handle)``); a repeat is

@@ -81,6 +81,11 @@ def _common(settings: Settings, client_id: str) -> dict[str, Any]:
     }
 
 
+#: The largest record a producer sends (librdkafka's ``message.max.bytes``, its default made
+#: explicit): the broker's own default limit (``message.max.bytes``, 1,048,588) is above it.
+MESSAGE_MAX_BYTES = 1_000_000
+
+
 def producer_config(
     settings: Settings,
     *,
@@ -104,6 +109,7 @@ def producer_config(
         "max.in.flight.requests.per.connection": 5,
         "linger.ms": linger_ms,
         "compression.type": compression,
+        "message.max.bytes": MESSAGE_MAX_BYTES,
         # Upper bound on a call: without it a missing topic or a dead broker would make a
         # caller hang for librdkafka's default of 300 s.
         "delivery.timeout.ms": int(delivery_timeout_s * 1000),

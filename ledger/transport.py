@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
-from ledger.errors import DeliveryError, DeliveryTimeoutError
-from ledger.kafka import producer_config
+from ledger.errors import DeliveryError, DeliveryTimeoutError, RecordTooLargeError
+from ledger.kafka import MESSAGE_MAX_BYTES, producer_config
 from ledger.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,23 @@ class SplitTransport(Transport, Protocol):
     async def wait_async(self, submitted: Any) -> Positions:
         """:meth:`wait` without blocking the event loop."""
         ...
+
+
+# What librdkafka adds to a record's key and value when it checks ``message.max.bytes``
+# (RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD), and per header (two varints, at most 5 bytes each).
+_RECORD_OVERHEAD = 36
+_HEADER_OVERHEAD = 10
+
+
+def record_size(record: OutgoingRecord) -> int:
+    """The size librdkafka holds against ``message.max.bytes`` (rounded up a little)."""
+    headers = sum(len(name) + len(value) + _HEADER_OVERHEAD for name, value in record.headers)
+    return _RECORD_OVERHEAD + len(record.key) + len(record.value) + headers
+
+
+def fits(record: OutgoingRecord) -> bool:
+    """Whether the producer may send ``record`` at all."""
+    return record_size(record) <= MESSAGE_MAX_BYTES
 
 
 class _Reports:
@@ -239,14 +256,22 @@ class KafkaTransport:
     # -- sending -----------------------------------------------------------------------------------
 
     def submit(self, records: Sequence[OutgoingRecord]) -> _Reports:
-        """Hand every record to the producer; the returned reports fill in as acks arrive."""
+        """Hand every record to the producer; the returned reports fill in as acks arrive.
+        Raises :class:`~ledger.errors.RecordTooLargeError`, having sent nothing, if any record
+        is over the producer's limit."""
+        for record in records:
+            if not fits(record):
+                raise RecordTooLargeError(
+                    f"a record for {record.topic} is {record_size(record)} bytes, over the "
+                    f"{MESSAGE_MAX_BYTES} a producer may send; nothing was sent"
+                )
         if self._fatal is not None:
             self._replace_producer()
         reports = _Reports(len(records))
         callback = reports.on_delivery
         produce = self._producer.produce
         deadline = time.monotonic() + self._wait_s
-        for record in records:
+        for index, record in enumerate(records):
             while True:
                 try:
                     produce(
@@ -262,6 +287,14 @@ class KafkaTransport:
                     if time.monotonic() > deadline:
                         raise DeliveryTimeoutError(self._timeout_message(reports)) from None
                     time.sleep(0.005)
+                except KafkaException as exc:
+                    # Refused by the client itself; the records before it are on their way.
+                    raise DeliveryError(
+                        f"the producer refused a record for {record.topic}: {exc.args[0]}; "
+                        f"the {index} record(s) before it may be written: resend the same "
+                        "events",
+                        exc.args[0],
+                    ) from None
         return reports
 
     def send(self, records: Sequence[OutgoingRecord]) -> Positions:

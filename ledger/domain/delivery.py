@@ -42,6 +42,9 @@ class SendResult:
     status: int | None
     detail: str
     retry_after: timedelta | None = None
+    #: not sent at all: the body is over what the way to the destination can carry (a queue
+    #: record over the producer's limit); like a 413, no later send of the same bytes can pass
+    too_large: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,12 @@ def judge(
         return Verdict(
             Outcome.DISABLED,
             reason=f"destination answered 410 Gone ({result.detail}); destination disabled",
+        )
+    if result.too_large:
+        return Verdict(
+            Outcome.DEAD_LETTERED,
+            reason=f"the body is too large to send ({result.detail}); every send carries the "
+            "same bytes, so redrive once the destination's limit allows them",
         )
     if status == TOO_LARGE_STATUS:
         return Verdict(

@@ -58,13 +58,13 @@ from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader
-from ledger.kafka import consumer_config
+from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.results import ResultStore, StoredResult
 from ledger.secrets import scrub
 from ledger.settings import Settings
-from ledger.transport import OutgoingRecord, Transport
+from ledger.transport import OutgoingRecord, Transport, fits, record_size
 from processors.delivery.payload import Delivery, queue_headers, webhook_headers
 from processors.delivery.senders import WebhookSend, WebhookSender
 from processors.health import Health
@@ -676,7 +676,15 @@ class DeliveryWorker:
                     body,
                     queue_headers(delivery),
                 )
-                queues.setdefault(destination.target, []).append((index, record))
+                if fits(record):
+                    queues.setdefault(destination.target, []).append((index, record))
+                else:  # refused alone: sent with the others, it would fail them all each pass
+                    results[index] = SendResult(
+                        None,
+                        f"a record of {record_size(record)} bytes, over the {MESSAGE_MAX_BYTES} "
+                        f"a producer may send to {destination.target}",
+                        too_large=True,
+                    )
         answers = self._webhooks.start_many([w for _i, w in webhooks]) if webhooks else None
         for topic, records in queues.items():
             started = time.monotonic()

@@ -308,6 +308,43 @@ def test_413_dead_letters_after_one_send_and_leaves_the_destination_enabled(
         receiver.close()
 
 
+def test_a_result_too_large_for_the_queue_is_dead_lettered_and_stops_nothing(
+    rig_factory: Callable[..., Rig], isolated: Settings
+) -> None:
+    rig = rig_factory()
+    queue_topic = f"{isolated.topic_prefix}.results-out"
+    rig.destinations.add(
+        tenant_id=TENANT,
+        name="queue",
+        kind=Kind.QUEUE,
+        target=queue_topic,
+        tools=[TOOL],
+        changed_by="test",
+    )
+    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(queue_topic, 1, 1)]).values():
+        future.result(timeout=30)
+    # Stored whole (the result store takes 16 MiB), but base64 in the body makes it larger than
+    # the producer may send: the same bytes every time, so no retry can succeed.
+    big = rig.succeeded(json.dumps({"blob": "x" * 900_000}).encode())
+    small = [rig.succeeded() for _ in range(3)]
+    rig.until(
+        lambda: (
+            rig.state(big, "queue") is D.DEAD_LETTERED
+            and all(rig.state(op, "queue") is D.ACKED for op in small)
+        )
+    )
+    error = rig.delivery(big, "queue").error or ""
+    assert "too large" in error and "bytes" in error, error
+    assert [s[:2] for s in rig.steps(big, "queue")] == [
+        ("PENDING", 0),
+        ("SENT", 1),
+        ("DEAD_LETTERED", 1),
+    ]
+    keys = [key for _p, _o, key, _v in read_all(isolated, queue_topic)]
+    assert sorted(keys) == sorted(op.encode() for op in small)  # each small one, once
+
+
 def test_a_destination_that_never_answers_is_dead_lettered_at_the_horizon_then_redriven_once(
     rig_factory: Callable[..., Rig], isolated: Settings
 ) -> None:

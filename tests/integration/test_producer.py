@@ -22,8 +22,10 @@ from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.ids import content_ref, event_id, request_hash
 from ledger.domain.states import DeliveryState, ExecutionState
-from ledger.kafka import partition_for
+from ledger.errors import RecordTooLargeError
+from ledger.kafka import MESSAGE_MAX_BYTES, partition_for
 from ledger.settings import Settings
+from ledger.transport import KafkaTransport, OutgoingRecord, fits, record_size
 from producers import (
     MAX_RESULT_BYTES,
     AsyncTransitionRecorder,
@@ -251,6 +253,26 @@ def test_missing_topic_fails_clearly_within_the_timeout(isolated: Settings) -> N
     elapsed = time.monotonic() - started
     assert elapsed < 3 + 5 + 2, f"took {elapsed:.1f}s"
     assert caught.value.kafka_error is not None
+
+
+def test_a_record_over_the_producer_limit_is_refused_and_nothing_is_sent(
+    isolated: Settings,
+) -> None:
+    topic = isolated.execution_topic
+    small = OutgoingRecord(topic, b"op_small", b"fits", [("h", b"v")])
+    limit_value = b"x" * (MESSAGE_MAX_BYTES - record_size(OutgoingRecord(topic, b"k", b"", [])))
+    at_limit = OutgoingRecord(topic, b"k", limit_value, [])
+    over = OutgoingRecord(topic, b"k", limit_value + b"x", [])
+    assert fits(at_limit) and not fits(over)
+    transport = KafkaTransport(isolated)
+    try:
+        with pytest.raises(RecordTooLargeError, match="nothing was sent"):
+            transport.send([small, over])
+        assert sum(end_offsets(isolated, topic)) == 0  # not even the small one before it
+        transport.send([small])
+        assert sum(end_offsets(isolated, topic)) == 1
+    finally:
+        transport.close()
 
 
 def test_error_text_is_redacted_before_it_is_recorded(

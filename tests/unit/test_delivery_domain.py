@@ -59,6 +59,15 @@ def test_413_dead_letters_at_once_since_the_same_bytes_would_be_refused_again() 
     assert "413" in verdict.reason and "redrive" in verdict.reason  # type: ignore[attr-defined]
 
 
+def test_a_body_too_large_to_send_dead_letters_at_once_whatever_the_attempt() -> None:
+    result = SendResult(None, "a record of 1400000 bytes", too_large=True)
+    values = {"round_start": NOW, "now": NOW, "policy": POLICY, "unit_random": 0.5}
+    verdict = judge(result, round_attempts=1, **values)  # type: ignore[arg-type]
+    assert verdict.outcome is Outcome.DEAD_LETTERED and verdict.next_attempt_at is None
+    assert verdict.reason is not None and "too large" in verdict.reason
+    assert "1400000 bytes" in verdict.reason and "redrive" in verdict.reason
+
+
 @pytest.mark.parametrize("status", [429, 502, 504])
 def test_throttle_statuses_wait_and_are_told_apart(status: int) -> None:
     verdict = _judge(status)
