@@ -98,6 +98,19 @@ ProviderRef = Annotated[
 ]
 
 
+def storable_text(value: str) -> str:
+    """``value`` with what no store can hold (U+0000, lone surrogates) replaced by U+FFFD.
+
+    For text from outside that a worker records as it was said (a destination's answer, a
+    provider's reason): the contract refuses such text in an event, and a worker that passed it
+    on would fail on it at every attempt instead of recording it.
+    """
+    if storable_text_problem(value) is None:
+        return value
+    value = value.replace("\x00", "\ufffd")
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def storable_text_problem(value: str) -> str | None:
     """Why PostgreSQL (or any UTF-8 store) could never hold ``value``, or None if it can.
 

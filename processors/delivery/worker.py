@@ -49,7 +49,7 @@ from ledger.domain.delivery import (
     judge,
     outbox_pendings,
 )
-from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, storable_text
 from ledger.domain.fold import Applied, DeliveryRecord, ExecutionRecord, apply_delivery
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.schedule import RetryPolicy
@@ -748,7 +748,7 @@ class DeliveryWorker:
             state=state,
             result_ref=record.result_ref,
             next_attempt_at=next_attempt_at,
-            error=None if error is None else scrub(error)[:MAX_ERROR],
+            error=None if error is None else scrub(storable_text(error))[:MAX_ERROR],
         )
 
     def _applied(

@@ -46,6 +46,7 @@ from ledger.domain.events import (
     OperationEvent,
     OwnershipTaken,
     ReconciliationDecided,
+    storable_text,
 )
 from ledger.domain.fold import Applied, ExecutionRecord, apply_control, apply_execution
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
@@ -997,7 +998,7 @@ class _State:
 
 def _text(value: str | BaseException) -> str:
     text = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
-    return _scrubbed(text)
+    return _scrubbed(storable_text(text))  # a provider's words, recorded even if unstorable
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -343,6 +345,46 @@ def test_a_result_too_large_for_the_queue_is_dead_lettered_and_stops_nothing(
     ]
     keys = [key for _p, _o, key, _v in read_all(isolated, queue_topic)]
     assert sorted(keys) == sorted(op.encode() for op in small)  # each small one, once
+
+
+def test_an_answer_no_store_can_hold_is_recorded_storably_and_stops_nothing(
+    rig_factory: Callable[..., Rig], receiver: ScriptedReceiver
+) -> None:
+    # A destination's own words go into the recorded error: NUL in its reason phrase must not
+    # make the outcome unrecordable (that failed every pass, and the worker with it).
+    hostile = socket.socket()
+    hostile.bind(("127.0.0.1", 0))
+    hostile.listen(8)
+    answered = threading.Event()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = hostile.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                conn.sendall(b"HTTP/1.1 500 bad\x00reason\r\nContent-Length: 0\r\n\r\n")
+                answered.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        rig = rig_factory(max_attempts=1)
+        rig.webhook("hooks", f"http://127.0.0.1:{hostile.getsockname()[1]}/events")
+        rig.webhook("other", receiver.url)
+        op_id = rig.succeeded()
+        rig.until(
+            lambda: (
+                rig.state(op_id, "hooks") is D.DEAD_LETTERED
+                and rig.state(op_id, "other") is D.ACKED
+            )
+        )
+        assert answered.is_set()
+        error = rig.delivery(op_id, "hooks").error or ""
+        assert "bad\ufffdreason" in error and "\x00" not in error, error
+    finally:
+        hostile.close()
 
 
 def test_a_destination_that_never_answers_is_dead_lettered_at_the_horizon_then_redriven_once(

@@ -24,7 +24,7 @@ from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.tools import ProviderTerms
+from ledger.tools import LookupResult, ProviderTerms
 from ledger.transport import KafkaTransport
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
@@ -199,6 +199,26 @@ def test_a_confirmed_failure_found_by_lookup_is_recorded_failed(rig: Rig) -> Non
     rig.recover()
     assert rig.row(op)[:2] == ("FAILED", 1)
     assert rig.provider.stats().calls == 1
+
+
+class _UnstorableReasons(MemoryProvider):
+    """Reports every call failed, in words no store can hold (NUL, a lone surrogate)."""
+
+    def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult:
+        super().lookup(idempotency_key, provider_ref)  # counted as the provider's lookup
+        return LookupResult(LookupStatus.FOUND_FAILED, reason="card\x00declined \ud800!")
+
+
+def test_a_provider_reason_no_store_can_hold_is_recorded_storably(isolated: Settings) -> None:
+    rig = Rig(isolated, _UnstorableReasons(TOOL, _terms()))
+    try:
+        op = rig.abandoned(unknown=True)
+        rig.recover()
+        assert rig.row(op)[:2] == ("FAILED", 1)
+        failed = [e for e in rig.events(op) if isinstance(e, ExecutionTransitioned)][-1]
+        assert failed.error == "card\ufffddeclined \ufffd!"
+    finally:
+        rig.close()
 
 
 def test_not_found_with_policy_allowing_a_repeat_makes_one_new_attempt(rig: Rig) -> None:
