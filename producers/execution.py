@@ -33,7 +33,13 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ledger.domain import ids
-from ledger.domain.events import ExecutionTransitioned, OwnershipTaken, ReconciliationDecided
+from ledger.domain.events import (
+    ExecutionTransitioned,
+    OwnershipTaken,
+    ReconciliationDecided,
+    recordable_provider_ref,
+    storable_text,
+)
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
@@ -342,7 +348,8 @@ def _dispatch_and_call(
         return _report(handle, error=str(lost), policy=decision)
     fault_point("execute.after_response_before_result")
     if not outcome.succeeded:
-        error = outcome.error or "the provider reported a failure"
+        # The provider's words, recorded as said even where no store could hold them.
+        error = storable_text(outcome.error or "the provider reported a failure")
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=error))
         return _report(handle, error=error, policy=decision)
     result = outcome.result if outcome.result is not None else b""
@@ -351,7 +358,7 @@ def _dispatch_and_call(
         ExecutionState.SUCCEEDED,
         result=result,
         content_type=outcome.content_type,
-        provider_ref=outcome.provider_ref,
+        provider_ref=recordable_provider_ref(outcome.provider_ref),
     )
     yield from recorded(core, handle, succeeded)
     return _report(handle, result=result, policy=decision)

@@ -16,6 +16,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     model_validator,
 )
@@ -96,6 +98,24 @@ ProviderRef = Annotated[
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$"),
     AfterValidator(_no_named_secret),
 ]
+
+
+_PROVIDER_REF: TypeAdapter[str] = TypeAdapter(ProviderRef)
+
+
+def recordable_provider_ref(ref: str | None) -> str | None:
+    """A provider's own id for a call if an event can carry it, else None.
+
+    The id comes from outside: one the contract refuses (a space, 300 characters, a credential's
+    shape) must not make the call's outcome unrecordable once the effect has happened; the
+    operation keeps the idempotency key it was dispatched with as its reference instead.
+    """
+    if ref is None:
+        return None
+    try:
+        return _PROVIDER_REF.validate_python(ref)
+    except ValidationError:
+        return None
 
 
 def storable_text(value: str) -> str:

@@ -46,6 +46,7 @@ from ledger.domain.events import (
     OperationEvent,
     OwnershipTaken,
     ReconciliationDecided,
+    recordable_provider_ref,
     storable_text,
 )
 from ledger.domain.fold import Applied, ExecutionRecord, apply_control, apply_execution
@@ -623,7 +624,9 @@ class RecoveryWorker:
             now=datetime.now(UTC),
             key_retention=state.provider.terms.key_retention,
         )
-        provider_ref = (found.provider_ref if found else None) or execution.provider_ref
+        provider_ref = (
+            recordable_provider_ref(found.provider_ref) if found else None
+        ) or execution.provider_ref
 
         if verdict.decision is Decision.RETRY_LOOKUP:
             self._back_off(execution.operation_id)
@@ -793,7 +796,10 @@ class RecoveryWorker:
             result = outcome.result if outcome.result is not None else b""
             result_ref = self._results.put(state.execution.tenant_id, result, outcome.content_type)
             event = self._transition(
-                state, X.SUCCEEDED, result_ref=result_ref, provider_ref=outcome.provider_ref
+                state,
+                X.SUCCEEDED,
+                result_ref=result_ref,
+                provider_ref=recordable_provider_ref(outcome.provider_ref),
             )
             label_outcome = "succeeded"
         else:

@@ -3,9 +3,11 @@ real broker and database, with an in-process provider that counts what it saw.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -16,7 +18,7 @@ from ledger.domain.ids import event_id
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import ExecutionState
 from ledger.settings import Settings
-from ledger.tools import ProviderTerms
+from ledger.tools import CallOutcome, ProviderTerms
 from ledger.topics import end_offsets
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
@@ -80,6 +82,37 @@ def test_execute_records_every_step_under_its_lease(isolated: Settings) -> None:
             "SELECT execution_state, lease_token, result_ref FROM agent_operations"
         ).fetchone()
     assert row == ("SUCCEEDED", 1, done.result_ref)
+
+
+class _OddProvider(MemoryProvider):
+    """Calls through, then answers with an id and failure words an event cannot carry as is."""
+
+    def __init__(self, succeed: bool) -> None:
+        super().__init__("send_email", TERMS, mode=Mode.NON_IDEMPOTENT)
+        self._succeed = succeed
+
+    def call(self, request: Any, idempotency_key: str) -> CallOutcome:
+        done = super().call(request, idempotency_key)
+        if self._succeed:
+            return dataclasses.replace(done, provider_ref="call id with spaces " + "x" * 300)
+        return CallOutcome(False, error="card\x00declined", provider_ref="odd ref")
+
+
+@pytest.mark.parametrize("succeed", [True, False])
+def test_a_provider_answer_in_odd_words_is_still_recorded(
+    isolated: Settings, succeed: bool
+) -> None:
+    provider = _OddProvider(succeed)
+    with _recorder(isolated, providers=[provider]) as recorder:
+        done = recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
+    assert provider.stats().calls == 1
+    last = _executions(isolated)[-1]
+    if succeed:
+        assert done.state is X.SUCCEEDED and last.state is X.SUCCEEDED
+        assert last.provider_ref is None  # the key it was dispatched with stays its reference
+    else:
+        assert done.state is X.FAILED and last.state is X.FAILED
+        assert last.error == "card\ufffddeclined"
 
 
 def test_lost_contact_is_unknown_returned_never_raised_and_the_lease_released(

@@ -202,14 +202,21 @@ def test_a_confirmed_failure_found_by_lookup_is_recorded_failed(rig: Rig) -> Non
 
 
 class _UnstorableReasons(MemoryProvider):
-    """Reports every call failed, in words no store can hold (NUL, a lone surrogate)."""
+    """Reports every call failed, in words no store can hold (NUL, a lone surrogate), under an
+    id the contract refuses (spaces)."""
 
     def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult:
         super().lookup(idempotency_key, provider_ref)  # counted as the provider's lookup
-        return LookupResult(LookupStatus.FOUND_FAILED, reason="card\x00declined \ud800!")
+        return LookupResult(
+            LookupStatus.FOUND_FAILED,
+            reason="card\x00declined \ud800!",
+            provider_ref="an id an event cannot carry",
+        )
 
 
-def test_a_provider_reason_no_store_can_hold_is_recorded_storably(isolated: Settings) -> None:
+def test_a_provider_answer_no_event_can_carry_as_is_is_recorded_storably(
+    isolated: Settings,
+) -> None:
     rig = Rig(isolated, _UnstorableReasons(TOOL, _terms()))
     try:
         op = rig.abandoned(unknown=True)
