@@ -51,6 +51,17 @@ _CONTENT_TYPE = re.compile(
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 
 
+#: What a result is labelled when the label it came with cannot be stored: its bytes, unnamed.
+UNLABELLED = "application/octet-stream"
+
+
+def recordable_content_type(content_type: str) -> str:
+    """``content_type`` if the store takes it, else :data:`UNLABELLED`: for a label from outside
+    (a provider's answer), which must not make a result that exists unstorable."""
+    valid = isinstance(content_type, str) and len(content_type) <= 255
+    return content_type if valid and _CONTENT_TYPE.match(content_type) else UNLABELLED
+
+
 def _check_tenant(tenant_id: str) -> None:
     if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
         raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")

@@ -53,6 +53,7 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.faults import fault_point
+from ledger.results import recordable_content_type
 from ledger.tools import AsyncProvider, CallOutcome, ContactLost, Provider
 from producers.operation import OperationState, TrackedOperation
 from producers.steps import Blocking, Call, Pause, Record, Steps
@@ -357,7 +358,7 @@ def _dispatch_and_call(
         handle,
         ExecutionState.SUCCEEDED,
         result=result,
-        content_type=outcome.content_type,
+        content_type=recordable_content_type(outcome.content_type),
         provider_ref=recordable_provider_ref(outcome.provider_ref),
     )
     yield from recorded(core, handle, succeeded)

@@ -61,7 +61,7 @@ from ledger.kafka import consumer_config
 from ledger.leases import Lease, LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
-from ledger.results import PreparedResult, ResultStore
+from ledger.results import PreparedResult, ResultStore, recordable_content_type
 from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.tools import ContactLost, LookupResult, Provider
@@ -648,7 +648,9 @@ class RecoveryWorker:
             result = found.result if found.result is not None else b""
             # The recovered result is durable before anything points at it (seed row 3): it is
             # stored with the pass's other results, in one commit, before any record is sent.
-            prepared = self._results.prepare(execution.tenant_id, result, found.content_type)
+            prepared = self._results.prepare(
+                execution.tenant_id, result, recordable_content_type(found.content_type)
+            )
             state.payloads.append(prepared)
             result_ref = prepared.result_ref
             decided = self._decision(
@@ -794,7 +796,9 @@ class RecoveryWorker:
             return
         if outcome.succeeded:
             result = outcome.result if outcome.result is not None else b""
-            result_ref = self._results.put(state.execution.tenant_id, result, outcome.content_type)
+            result_ref = self._results.put(
+                state.execution.tenant_id, result, recordable_content_type(outcome.content_type)
+            )
             event = self._transition(
                 state,
                 X.SUCCEEDED,
