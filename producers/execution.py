@@ -53,7 +53,7 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.faults import fault_point
-from ledger.results import recordable_content_type
+from ledger.results import MAX_RESULT_BYTES, recordable_content_type
 from ledger.tools import AsyncProvider, CallOutcome, ContactLost, Provider
 from producers.operation import OperationState, TrackedOperation
 from producers.steps import Blocking, Call, Pause, Record, Steps
@@ -354,6 +354,20 @@ def _dispatch_and_call(
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=error))
         return _report(handle, error=error, policy=decision)
     result = outcome.result if outcome.result is not None else b""
+    if len(result) > MAX_RESULT_BYTES:
+        # The effect happened but its result cannot be stored: an exception here could be
+        # retried by the caller. UNKNOWN leaves it to reconciliation, which parks it.
+        unstorable = (
+            f"the provider succeeded, but its result is {len(result)} bytes, over the result "
+            f"store's limit of {MAX_RESULT_BYTES}: left for reconciliation (it is not called "
+            "again)"
+        )
+        yield from recorded(
+            core, handle, core._step(handle, ExecutionState.UNKNOWN, error=unstorable)
+        )
+        if lease is not None and leases is not None:
+            yield Blocking(lambda: leases.release([lease]))
+        return _report(handle, error=unstorable, policy=decision)
     succeeded = core._step(
         handle,
         ExecutionState.SUCCEEDED,

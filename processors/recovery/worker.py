@@ -61,7 +61,12 @@ from ledger.kafka import consumer_config
 from ledger.leases import Lease, LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
-from ledger.results import PreparedResult, ResultStore, recordable_content_type
+from ledger.results import (
+    MAX_RESULT_BYTES,
+    PreparedResult,
+    ResultStore,
+    recordable_content_type,
+)
 from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.tools import ContactLost, LookupResult, Provider
@@ -646,6 +651,20 @@ class RecoveryWorker:
         if verdict.decision is Decision.MARK_SUCCEEDED:
             assert found is not None
             result = found.result if found.result is not None else b""
+            if len(result) > MAX_RESULT_BYTES:
+                # The effect happened; what it produced cannot be stored, so nothing could
+                # ever point at it: a person decides, and the tool is never called again.
+                reason = (
+                    f"the provider confirms it succeeded, but its result is {len(result)} bytes, "
+                    f"over the result store's limit of {MAX_RESULT_BYTES}: parked for a person "
+                    "(the effect happened; it is not called again)"
+                )
+                self._append(
+                    state,
+                    [self._decision(state, Decision.PARK, lookup_status, policy, reason)],
+                )
+                state.counted.append(self._metrics.reconciliations.labels("parked"))
+                return
             # The recovered result is durable before anything points at it (seed row 3): it is
             # stored with the pass's other results, in one commit, before any record is sent.
             prepared = self._results.prepare(

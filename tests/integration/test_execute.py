@@ -17,6 +17,7 @@ from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.ids import event_id
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import ExecutionState
+from ledger.results import MAX_RESULT_BYTES, ResultStore
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ProviderTerms
 from ledger.topics import end_offsets
@@ -85,7 +86,8 @@ def test_execute_records_every_step_under_its_lease(isolated: Settings) -> None:
 
 
 class _OddProvider(MemoryProvider):
-    """Calls through, then answers with an id and failure words an event cannot carry as is."""
+    """Calls through, then answers with an id, a content type and failure words that cannot be
+    recorded as they are."""
 
     def __init__(self, succeed: bool) -> None:
         super().__init__("send_email", TERMS, mode=Mode.NON_IDEMPOTENT)
@@ -94,7 +96,9 @@ class _OddProvider(MemoryProvider):
     def call(self, request: Any, idempotency_key: str) -> CallOutcome:
         done = super().call(request, idempotency_key)
         if self._succeed:
-            return dataclasses.replace(done, provider_ref="call id with spaces " + "x" * 300)
+            return dataclasses.replace(
+                done, provider_ref="call id with spaces " + "x" * 300, content_type="not a type"
+            )
         return CallOutcome(False, error="card\x00declined", provider_ref="odd ref")
 
 
@@ -110,9 +114,28 @@ def test_a_provider_answer_in_odd_words_is_still_recorded(
     if succeed:
         assert done.state is X.SUCCEEDED and last.state is X.SUCCEEDED
         assert last.provider_ref is None  # the key it was dispatched with stays its reference
+        with ResultStore.connect(isolated.dsn) as store:
+            stored = store.get_many([("acme", last.result_ref or "")])
+        assert [r.content_type for r in stored.values()] == ["application/octet-stream"]
     else:
         assert done.state is X.FAILED and last.state is X.FAILED
         assert last.error == "card\ufffddeclined"
+
+
+def test_a_result_too_large_to_store_is_unknown_returned_never_raised(
+    isolated: Settings,
+) -> None:
+    class Huge(MemoryProvider):
+        def call(self, request: Any, idempotency_key: str) -> CallOutcome:
+            super().call(request, idempotency_key)
+            return CallOutcome(True, result=b"x" * (MAX_RESULT_BYTES + 1))
+
+    provider = Huge("send_email", TERMS, mode=Mode.NON_IDEMPOTENT)
+    with _recorder(isolated, providers=[provider]) as recorder:
+        done = recorder.execute("acme", "agent-7", "send_email", {"to": "a@example.com"})
+    assert done.state is X.UNKNOWN and "over the result store's limit" in (done.error or "")
+    assert provider.stats().calls == 1
+    assert [e.state for e in _executions(isolated)][-1] is X.UNKNOWN
 
 
 def test_lost_contact_is_unknown_returned_never_raised_and_the_lease_released(

@@ -22,7 +22,7 @@ from ledger.history import HistoryReader
 from ledger.leases import LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
-from ledger.results import ResultStore
+from ledger.results import MAX_RESULT_BYTES, ResultStore
 from ledger.settings import Settings
 from ledger.tools import LookupResult, ProviderTerms
 from ledger.transport import KafkaTransport
@@ -224,6 +224,30 @@ def test_a_provider_answer_no_event_can_carry_as_is_is_recorded_storably(
         assert rig.row(op)[:2] == ("FAILED", 1)
         failed = [e for e in rig.events(op) if isinstance(e, ExecutionTransitioned)][-1]
         assert failed.error == "card\ufffddeclined \ufffd!"
+    finally:
+        rig.close()
+
+
+class _HugeResults(MemoryProvider):
+    """Confirms every call succeeded, with a result larger than the result store takes."""
+
+    def lookup(self, idempotency_key: str, provider_ref: str | None) -> LookupResult:
+        super().lookup(idempotency_key, provider_ref)
+        return LookupResult(LookupStatus.FOUND_SUCCEEDED, result=b"x" * (MAX_RESULT_BYTES + 1))
+
+
+def test_a_confirmed_success_whose_result_cannot_be_stored_is_parked(isolated: Settings) -> None:
+    rig = Rig(isolated, _HugeResults(TOOL, _terms()))
+    try:
+        op = rig.abandoned(unknown=True)
+        rig.recover(passes=2)  # the second finds it parked and leaves it
+        state, _attempt, parked, decision, _ref = rig.row(op)
+        assert (state, decision) == ("UNKNOWN", "PARK")
+        assert parked is not None and "over the result store's limit" in parked
+        decided = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
+        assert len(decided) == 1 and "over the result store's limit" in decided[0].reason
+        assert rig.provider.stats().calls == 0, "never called again"
+        assert rig.sample("opledger_reconciliations_total", {"outcome": "parked"}) == 1
     finally:
         rig.close()
 
