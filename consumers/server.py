@@ -41,9 +41,12 @@ CPU per request (``bench/bench_consumer_receiver.py``; bench/README.md has the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -730,7 +733,7 @@ class _Connection(asyncio.Protocol):
                     "closing a connection whose client read no answer for %gs",
                     now - self._writes_paused_at,
                 )
-                transport.abort()
+                _reset(transport)
                 return
             wake = min(wake, deadline)
         started = self._request_started
@@ -754,7 +757,7 @@ class _Connection(asyncio.Protocol):
         """Close at a deadline: what is still buffered was not read in time, and ``close()``
         would wait for the client to read it, for ever if it never does."""
         if transport.get_write_buffer_size():
-            transport.abort()
+            _reset(transport)
         else:
             transport.close()
 
@@ -785,6 +788,17 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Drop the connection with a reset: ``abort()`` alone closes the socket, and the kernel
+    would go on offering the unread answers to a client that reads nothing, on either loop. A
+    zero linger makes the close discard them and send RST."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 _INTERNAL = Problem(500, "internal", "Internal error", "the receiver failed; retry")

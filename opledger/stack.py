@@ -435,8 +435,19 @@ def _stop_kafka(settings: Settings, echo: Echo) -> None:
         os.kill(pid, signal.SIGKILL)
         while _alive(pid):
             time.sleep(0.1)
+    _wait_ports_closed(settings)
     _kafka_pid_file(settings).unlink(missing_ok=True)
     echo(f"kafka: stopped (pid {pid})")
+
+
+def _wait_ports_closed(settings: Settings, timeout: float = 10.0) -> None:
+    """Until the broker's ports no longer answer: a killed JVM's main thread is reaped (a
+    zombie) while its other threads still close its sockets, so for a moment after it looks
+    dead its listener still accepts, and a start would take that for someone else's broker."""
+    deadline = time.monotonic() + timeout
+    ports = (settings.kafka_port, settings.kafka_controller_port)
+    while any(_port_open(port) for port in ports) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:
@@ -889,6 +900,7 @@ def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool 
                 os.kill(pid, signal.SIGKILL)
                 while _alive(pid):
                     time.sleep(0.05)
+                _wait_ports_closed(settings)
                 _kafka_pid_file(settings).unlink(missing_ok=True)
                 echo(f"kafka: killed (pid {pid})")
             else:
