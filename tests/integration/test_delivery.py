@@ -106,6 +106,22 @@ class Rig:
             **extra,
         )
 
+    def queue(self, name: str, *, partitions: int) -> str:
+        """A queue destination ``name`` on a new topic of its own; the topic's name."""
+        topic = f"{self.settings.topic_prefix}.results-out"
+        self.destinations.add(
+            tenant_id=TENANT,
+            name=name,
+            kind=Kind.QUEUE,
+            target=topic,
+            tools=[TOOL],
+            changed_by="test",
+        )
+        admin = AdminClient({"bootstrap.servers": self.settings.bootstrap_servers})
+        for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+            future.result(timeout=30)
+        return topic
+
     def succeeded(self, result: bytes = b'{"sent": true}') -> str:
         op = self.service.intent(TENANT, ACTOR, TOOL, {"to": "a@example.com", "n": time.time_ns()})
         self.service.dispatched(op, provider_ref=op.operation_id)
@@ -173,18 +189,7 @@ def test_a_result_reaches_each_destination_once_signed_and_keyed(
 ) -> None:
     rig = rig_factory()
     rig.webhook("hooks", receiver.url)
-    queue_topic = f"{isolated.topic_prefix}.results-out"
-    rig.destinations.add(
-        tenant_id=TENANT,
-        name="queue",
-        kind=Kind.QUEUE,
-        target=queue_topic,
-        tools=[TOOL],
-        changed_by="test",
-    )
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
-    for future in admin.create_topics([NewTopic(queue_topic, 3, 1)]).values():
-        future.result(timeout=30)
+    queue_topic = rig.queue("queue", partitions=3)
     result = b'{"message_id": "m-1"}'
     op_id = rig.succeeded(result)
     rig.until(lambda: rig.state(op_id, "hooks") is D.ACKED and rig.state(op_id, "queue") is D.ACKED)
@@ -314,18 +319,7 @@ def test_a_result_too_large_for_the_queue_is_dead_lettered_and_stops_nothing(
     rig_factory: Callable[..., Rig], isolated: Settings
 ) -> None:
     rig = rig_factory()
-    queue_topic = f"{isolated.topic_prefix}.results-out"
-    rig.destinations.add(
-        tenant_id=TENANT,
-        name="queue",
-        kind=Kind.QUEUE,
-        target=queue_topic,
-        tools=[TOOL],
-        changed_by="test",
-    )
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
-    for future in admin.create_topics([NewTopic(queue_topic, 1, 1)]).values():
-        future.result(timeout=30)
+    queue_topic = rig.queue("queue", partitions=1)
     # Stored whole (the result store takes 16 MiB), but base64 in the body makes it larger than
     # the producer may send: the same bytes every time, so no retry can succeed.
     big = rig.succeeded(json.dumps({"blob": "x" * 900_000}).encode())
