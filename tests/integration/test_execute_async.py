@@ -448,9 +448,14 @@ def test_a_call_that_never_got_a_tool_thread_is_failed_and_not_made(isolated: Se
     state, providers = _fakes(latency_s=1.5, terms=SHORT)
 
     async def scenario(recorder: AsyncTransitionRecorder) -> list[Execution]:
-        # One tool thread: the first call holds it past both calls' timeouts.
+        # One tool thread: the first call holds it past both calls' timeouts. The second starts
+        # once the tool has the first (a fixed pause lost that race on a loaded box: a fresh
+        # producer's first acknowledgement alone can take half a second).
         first = asyncio.create_task(recorder.execute("acme", "agent-7", "send_email", {"n": 1}))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while state.tool_stats("send_email").calls == 0:
+            assert time.monotonic() < deadline, "the first call never reached the tool"
+            await asyncio.sleep(0.01)
         second = await recorder.execute("acme", "agent-7", "send_email", {"n": 2})
         return [await first, second]
 
