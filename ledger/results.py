@@ -5,14 +5,16 @@ worker that records ``SUCCEEDED`` (and then acknowledges its job) never points a
 crash could still lose - the seed's "Are result records durable before a worker acknowledges the
 job?".
 
-Connections come from a pool, one per concurrent caller: threads sharing a store never wait on
-each other's transactions, and a connection that PostgreSQL dropped (a restart, a failover) is
-replaced instead of poisoning every later call (``ledger.pg.retrying``).
+Connections come from a pool, and a connection that PostgreSQL dropped (a restart, a failover) is
+replaced instead of poisoning every later call (``ledger.pg.retrying``). Concurrent ``put`` calls
+on one store share commits (:class:`_GroupCommit`): each caller still returns only once its own
+row is committed, and a payload PostgreSQL refuses fails only its own caller.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,120 @@ _CONTENT_TYPE = re.compile(
 )
 # Same shape as the events' Identifier so a stored result's tenant is one an event can carry.
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+
+#: Payload bytes one shared commit takes at most (a single larger payload still goes alone).
+GROUP_COMMIT_BYTES = 4 * 1024 * 1024
+
+
+class _Waiter:
+    """One ``put`` waiting in a :class:`_GroupCommit`: released when its row is committed (or
+    refused), or when it is made the next leader."""
+
+    __slots__ = ("error", "latch", "leads", "result")
+
+    def __init__(self, result: PreparedResult) -> None:
+        self.result = result
+        self.error: ResultStoreError | None = None
+        self.leads = False
+        self.latch = threading.Lock()
+        self.latch.acquire()
+
+
+class _GroupCommit:
+    """Concurrent puts share one commit: the first caller leads and commits every put queued
+    by then in one statement; callers arriving meanwhile queue, and when the commit is done the
+    oldest of them leads the next one. With 16 callers, one commit (and one WAL flush) instead
+    of up to 16; a lone caller commits at once, as before.
+
+    A failed shared commit is tried again row by row, so that a row PostgreSQL refuses fails
+    only its own caller; a database that is away fails the whole group (each row would only
+    wait out the same reconnect window again)."""
+
+    def __init__(
+        self,
+        commit_many: Callable[[Sequence[PreparedResult]], None],
+        byte_limit: int = GROUP_COMMIT_BYTES,
+    ) -> None:
+        self._commit_many = commit_many
+        self._byte_limit = byte_limit
+        self._lock = threading.Lock()
+        self._queue: list[_Waiter] = []
+        self._leading = False
+
+    def put(self, result: PreparedResult) -> None:
+        waiter = _Waiter(result)
+        with self._lock:
+            self._queue.append(waiter)
+            leads = not self._leading
+            self._leading = True
+        if not leads:
+            waiter.latch.acquire()
+            if not waiter.leads:  # a leader committed (or refused) it
+                if waiter.error is not None:
+                    raise waiter.error
+                return
+        self._lead()
+        if waiter.error is not None:
+            raise waiter.error
+
+    def _lead(self) -> None:
+        with self._lock:
+            batch = self._take()
+        try:
+            self._commit(batch)
+        finally:
+            for waiter in batch[1:]:  # the first is the leader, who waits on nothing
+                waiter.latch.release()
+            with self._lock:
+                if self._queue:
+                    successor = self._queue[0]
+                    successor.leads = True
+                    successor.latch.release()
+                else:
+                    self._leading = False
+
+    def _take(self) -> list[_Waiter]:
+        """The oldest queued puts, up to the byte limit (at least one); the leader is first."""
+        queue = self._queue
+        size, count = 0, 0
+        for waiter in queue:
+            size += len(waiter.result.payload)
+            if count and size > self._byte_limit:
+                break
+            count += 1
+        batch, self._queue = queue[:count], queue[count:]
+        return batch
+
+    def _commit(self, batch: list[_Waiter]) -> None:
+        try:
+            self._commit_many([w.result for w in batch])
+            return
+        except ResultStoreError as exc:
+            if len(batch) == 1 or isinstance(exc.__cause__, DatabaseUnavailableError):
+                for waiter in batch:
+                    waiter.error = _again(exc)
+                return
+        except BaseException:
+            for waiter in batch:
+                waiter.error = ResultStoreError(
+                    "the shared commit was interrupted: nothing is known to be stored; "
+                    "retry the call"
+                )
+            raise
+        for waiter in batch:  # one row at a time: find the row PostgreSQL refuses
+            try:
+                self._commit_many([waiter.result])
+            except ResultStoreError as exc:
+                waiter.error = _again(exc)
+
+
+def _again(exc: ResultStoreError) -> ResultStoreError:
+    """A fresh copy of ``exc`` for one caller (an exception raised in several threads would
+    share and grow one traceback)."""
+    copy = ResultStoreError(*exc.args)
+    copy.__cause__ = exc.__cause__
+    return copy
 
 
 #: What a result is labelled when the label it came with cannot be stored: its bytes, unnamed.
@@ -96,6 +212,7 @@ class ResultStore:
         self._pool = pool
         self._owns = owns_pool
         self._window_s = reconnect_window_s
+        self._group = _GroupCommit(self.put_many)
 
     @classmethod
     def connect(
@@ -127,27 +244,11 @@ class ResultStore:
         """Store ``payload`` for ``tenant_id``; returns its ``result_ref``, committed and durable.
 
         Storing the same bytes again is a no-op returning the same ref, which is also why a put
-        interrupted by a dropped connection is simply tried again on a fresh one.
+        interrupted by a dropped connection is simply tried again on a fresh one. Puts made at
+        the same time from several threads share a commit (see :class:`_GroupCommit`).
         """
         result = self.prepare(tenant_id, payload, content_type)
-
-        def insert(conn: psycopg.Connection[Any]) -> None:
-            # Autocommit: the statement is its own transaction, committed (on disk, with
-            # synchronous_commit on) when execute returns.
-            conn.execute(
-                """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
-                   VALUES (%s, %s, %s, %s, %s)
-                   ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
-                (
-                    result.result_ref,
-                    result.tenant_id,
-                    result.content_type,
-                    result.payload,
-                    len(result.payload),
-                ),
-            )
-
-        self._retrying(f"store result {result.result_ref}", insert)
+        self._group.put(result)
         return result.result_ref
 
     @staticmethod

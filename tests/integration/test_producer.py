@@ -393,6 +393,21 @@ def test_result_store_serves_threads_concurrently(isolated: Settings) -> None:
         assert all(store.get("tenant-a", ref) is not None for ref in refs)
 
 
+def test_one_commit_stores_a_group_with_the_same_payload_twice(isolated: Settings) -> None:
+    """Two callers storing the same bytes at once can land in one shared commit: the statement
+    holds the row twice, and stores it once."""
+    with ResultStore.connect(isolated.dsn) as store:
+        store.migrate()
+        same = ResultStore.prepare("tenant-a", b"same bytes")
+        other = ResultStore.prepare("tenant-a", b"other bytes")
+        store.put_many([same, other, same])
+        assert store.get("tenant-a", same.result_ref) == b"same bytes"
+        assert store.get("tenant-a", other.result_ref) == b"other bytes"
+        with psycopg.connect(isolated.dsn) as conn:
+            rows = conn.execute("SELECT count(*) FROM results").fetchone()
+        assert rows == (2,)
+
+
 def test_one_recorder_serves_sixteen_threads(isolated: Settings) -> None:
     """Sixteen threads share one recorder (one producer, one pool): every call completes and
     each operation's history is in order on its partition."""
