@@ -41,7 +41,7 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry
 
-from benchenv import isolated, produce_all
+from benchenv import cpu_seconds, isolated, machine_seconds, produce_all, stack_cpu_seconds
 from ledger.codec import default_codec
 from ledger.destinations import DestinationStore, Kind, new_secret
 from ledger.domain.events import ExecutionTransitioned, PolicyChange, PolicyChanged
@@ -65,6 +65,7 @@ TENANT = "bench"
 ACTOR = "agent-1"
 TOOL = "send_email"
 DESTINATION = "bench-hooks"
+CORES = os.cpu_count() or 1
 
 #: The aiohttp app the first measurements used (``--receiver aiohttp``).
 AIOHTTP_RECEIVER = r"""
@@ -154,13 +155,6 @@ uvloop.run(main())
 """
 
 RECEIVERS = {"lean": LEAN_RECEIVER, "aiohttp": AIOHTTP_RECEIVER}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -371,18 +365,28 @@ class Phase:
 
     seconds: float
     cpu: dict[str, float]
+    #: the share of all cores' time that was not idle
+    busy: float
 
 
-def measured(pids: dict[str, int], run: Callable[[], tuple[float, float]]) -> Phase:
+def measured(
+    settings: Settings, pids: dict[str, int], run: Callable[[], tuple[float, float]]
+) -> Phase:
     """``run()`` (which returns its own timed seconds and its thread's CPU seconds), with the
-    CPU of this whole process (every thread: the worker's, the sender loop's, librdkafka's)
-    and of ``pids`` around it."""
+    CPU of this whole process (every thread: the worker's, the sender loop's, librdkafka's),
+    of ``pids``, of the broker and of PostgreSQL around it, and how busy the machine was."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    before.update(stack_cpu_seconds(settings))
     own = time.process_time()
+    all_before, idle_before = machine_seconds()
     seconds, main_thread = run()
+    all_after, idle_after = machine_seconds()
     cpu = {"this process": time.process_time() - own, "main thread": main_thread}
     cpu.update({name: cpu_seconds(pid) - before[name] for name, pid in pids.items()})
-    return Phase(seconds, cpu)
+    cpu.update({name: used - before[name] for name, used in stack_cpu_seconds(settings).items()})
+    total = all_after - all_before
+    busy = (total - (idle_after - idle_before)) / total if total else 0.0
+    return Phase(seconds, cpu, busy)
 
 
 def report(args: argparse.Namespace, worker: Phase, baseline: Phase) -> None:
@@ -403,9 +407,24 @@ def report(args: argparse.Namespace, worker: Phase, baseline: Phase) -> None:
     print(f"ratio                  {worker_rate / raw_rate:9.2f}  (opledger / raw)")
     print("receiver: every delivery arrived exactly once (distinct keys == requests == n)")
     names = list(worker.cpu)
-    print("CPU per delivery, us   " + "".join(f"{name:>15}" for name in names))
+    # The main thread is a part of this process; the rest are separate processes.
+    parts = [k for k in names if k != "main thread"]
+    print(
+        "CPU per delivery, us   "
+        + "".join(f"{name:>13}" for name in names)
+        + f"{'all':>8}{'ceiling/s':>11}{'busy':>6}"
+    )
     for label, phase in (("opledger worker", worker), ("raw client baseline", baseline)):
-        print(f"{label:<23}" + "".join(f"{1e6 * phase.cpu[k] / n:15.0f}" for k in names))
+        total = sum(phase.cpu[k] for k in parts) / n
+        print(
+            f"{label:<23}"
+            + "".join(f"{1e6 * phase.cpu[k] / n:13.0f}" for k in names)
+            + f"{1e6 * total:8.0f}{CORES / total:11.0f}{100 * phase.busy:5.0f}%"
+        )
+    print(
+        f"all = this process + receiver + projector + broker + PostgreSQL; ceiling = {CORES} "
+        "cores / all: the deliveries/s this machine allows with every core busy"
+    )
     print(f"load average at the end {os.getloadavg()[0]:.2f} (2 cores, shared)")
 
 
@@ -459,7 +478,9 @@ def main() -> None:
 
                 profiler = cProfile.Profile()
                 profiler.enable()
-            worker = measured(pids, lambda: timed_worker(settings, args.n, args.concurrency))
+            worker = measured(
+                settings, pids, lambda: timed_worker(settings, args.n, args.concurrency)
+            )
             if args.profile:
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
@@ -472,7 +493,7 @@ def main() -> None:
                 timeout=10,
             ).read()
             baseline = measured(
-                pids, lambda: timed_baseline(url, secret, deliveries, args.concurrency)
+                settings, pids, lambda: timed_baseline(url, secret, deliveries, args.concurrency)
             )
             stats = receiver_stats(port)
             if stats["count"] != args.n:

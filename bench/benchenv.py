@@ -8,9 +8,11 @@ and ``delete_topics`` (retention is infinite, so forgotten topics would stay on 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from uuid import uuid4
 
 import psycopg
@@ -138,3 +140,66 @@ def produce_all(settings: Settings, events: Iterable[Transition]) -> list[tuple[
     if p.flush(60) or failures:
         raise SystemExit(f"broker did not acknowledge every record: {failures[:3]}")
     return coordinates
+
+
+# -- CPU seconds from /proc (Linux) ---------------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(path: str) -> list[str] | None:
+    """The fields after the command name of a ``/proc/.../stat``; None if it is gone."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _used(fields: list[str] | None, children: bool = False) -> float:
+    if fields is None:
+        return 0.0
+    used = int(fields[11]) + int(fields[12])  # utime, stime
+    if children:
+        used += int(fields[13]) + int(fields[14])  # of the children that have exited
+    return used / TICK
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    return _used(_stat(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """This process's threads: native id -> (name, CPU seconds so far)."""
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="ascii") as comm:
+                name = comm.read().strip()
+        except FileNotFoundError:
+            continue
+        out[int(task)] = (name, _used(_stat(f"/proc/self/task/{task}/stat")))
+    return out
+
+
+def stack_cpu_seconds(settings: Settings) -> dict[str, float]:
+    """CPU seconds used so far by the local stack's broker and by PostgreSQL (the postmaster,
+    its live backends, and the backends that have exited)."""
+    broker = int((settings.home / "run" / "kafka.pid").read_text().split()[0])
+    postmaster_file = settings.home / "postgres" / "postmaster.pid"
+    postmaster = int(postmaster_file.read_text().split("\n", 1)[0])
+    postgres = _used(_stat(f"/proc/{postmaster}/stat"), children=True)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(f"/proc/{entry.name}/stat")
+            if fields is not None and int(fields[1]) == postmaster:
+                postgres += _used(fields)
+    return {"broker": cpu_seconds(broker), "postgres": postgres}
+
+
+def machine_seconds() -> tuple[float, float]:
+    """(CPU seconds of all cores so far, the idle ones among them)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    return sum(values) / TICK, (values[3] + values[4]) / TICK
