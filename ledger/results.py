@@ -58,15 +58,18 @@ GROUP_COMMIT_BYTES = 4 * 1024 * 1024
 
 
 class _Waiter:
-    """One ``put`` waiting in a :class:`_GroupCommit`: released when its row is committed (or
-    refused), or when it is made the next leader."""
+    """One ``put`` in a :class:`_GroupCommit`: released when its row is committed (or refused),
+    or when it is handed the lead of the next commit."""
 
-    __slots__ = ("error", "latch", "leads", "result")
+    __slots__ = ("abandoned", "error", "latch", "leads", "result")
 
     def __init__(self, result: PreparedResult) -> None:
         self.result = result
         self.error: ResultStoreError | None = None
+        #: holds the lead and has not yet taken its group
         self.leads = False
+        #: its caller stopped waiting (an interrupt): it must not be handed the lead
+        self.abandoned = False
         self.latch = threading.Lock()
         self.latch.acquire()
 
@@ -79,7 +82,9 @@ class _GroupCommit:
 
     A failed shared commit is tried again row by row, so that a row PostgreSQL refuses fails
     only its own caller; a database that is away fails the whole group (each row would only
-    wait out the same reconnect window again)."""
+    wait out the same reconnect window again). A caller interrupted while it waits (a
+    KeyboardInterrupt in the main thread) gives up its place in the line of leaders, so the
+    puts behind it never wait for a leader who is gone."""
 
     def __init__(
         self,
@@ -96,36 +101,52 @@ class _GroupCommit:
         waiter = _Waiter(result)
         with self._lock:
             self._queue.append(waiter)
-            leads = not self._leading
-            self._leading = True
-        if not leads:
-            waiter.latch.acquire()
-            if not waiter.leads:  # a leader committed (or refused) it
-                if waiter.error is not None:
-                    raise waiter.error
-                return
-        self._lead()
+            if not self._leading:
+                self._leading = waiter.leads = True
+        try:
+            if not waiter.leads:
+                waiter.latch.acquire()  # committed by a leader, or handed the lead
+            if waiter.leads:
+                self._lead(waiter)
+        except BaseException:
+            self._abandon(waiter)
+            raise
         if waiter.error is not None:
             raise waiter.error
 
-    def _lead(self) -> None:
+    def _lead(self, leader: _Waiter) -> None:
         with self._lock:
-            batch = self._take()
+            leader.leads = False
+            group = self._take()
         try:
-            self._commit(batch)
+            self._commit(group)
         finally:
-            for waiter in batch[1:]:  # the first is the leader, who waits on nothing
-                waiter.latch.release()
+            for waiter in group:
+                if waiter is not leader:
+                    waiter.latch.release()
             with self._lock:
-                if self._queue:
-                    successor = self._queue[0]
-                    successor.leads = True
-                    successor.latch.release()
-                else:
-                    self._leading = False
+                self._hand_off()
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        with self._lock:
+            waiter.abandoned = True
+            if waiter.leads:  # handed the lead, but gone before taking a group: pass it on
+                waiter.leads = False
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        """(The lock held.) Hand the lead to the oldest put still waiting, or stand down."""
+        queue = self._queue
+        while queue and queue[0].abandoned:
+            queue.pop(0)  # its caller was told it failed: nothing is owed to it
+        if queue:
+            queue[0].leads = True
+            queue[0].latch.release()
+        else:
+            self._leading = False
 
     def _take(self) -> list[_Waiter]:
-        """The oldest queued puts, up to the byte limit (at least one); the leader is first."""
+        """The oldest queued puts, up to the byte limit (at least one: the leader, the oldest)."""
         queue = self._queue
         size, count = 0, 0
         for waiter in queue:

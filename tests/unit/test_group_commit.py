@@ -8,6 +8,8 @@ stores every row of a group, duplicates included, is
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -153,3 +155,34 @@ def test_an_interrupted_commit_fails_its_followers_and_the_next_caller_still_com
         group.put(_result("interrupted"))
     group.put(_result("after"))  # the group is not left with a leader that is gone
     assert calls == 2
+
+
+def test_a_caller_interrupted_while_waiting_does_not_leave_the_others_without_a_leader() -> None:
+    """This (main) thread queues behind a held commit and is interrupted by a real SIGINT; the
+    leader then hands the lead on, and a later put still commits instead of waiting for a
+    leader who is gone."""
+    commits = _Commits(lambda results: None)
+    group = _GroupCommit(commits)
+    leader = threading.Thread(target=group.put, args=(_result("leader"),))
+    leader.start()
+    assert commits.entered.wait(10)
+
+    def interrupt_when_queued() -> None:
+        deadline = time.monotonic() + 10
+        while not group._queue and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_when_queued)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        group.put(_result("interrupted"))
+    interrupter.join(10)
+    commits.release.set()
+    leader.join(10)
+    assert not leader.is_alive()
+    later = threading.Thread(target=group.put, args=(_result("later"),), daemon=True)
+    later.start()
+    later.join(10)
+    assert not later.is_alive(), "a put waited for a leader that was interrupted"
+    assert [b"later"] in commits.groups
