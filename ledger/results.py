@@ -311,7 +311,12 @@ class ResultStore:
                 ),
             )
 
-        self._retrying(f"store {len(results)} results", insert)
+        what = (
+            f"store result {results[0].result_ref}"
+            if len(results) == 1
+            else f"store {len(results)} results in one commit"
+        )
+        self._retrying(what, insert)
 
     def get(self, tenant_id: str, result_ref: str) -> bytes | None:
         """The payload stored under ``result_ref`` *for this tenant*; None if there is none."""
