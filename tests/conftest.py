@@ -8,6 +8,7 @@ matching marker is added here so ``-m 'not integration'`` works without decorati
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from uuid import uuid4
 
@@ -56,9 +57,9 @@ def stack_settings() -> Settings:
     return settings
 
 
-@pytest.fixture
-def isolated(stack_settings: Settings) -> Iterator[Settings]:
-    """Settings with topics and a database of their own, dropped after the test."""
+@contextmanager
+def _isolated(stack_settings: Settings) -> Iterator[Settings]:
+    """Settings with topics and a database of their own, dropped on the way out."""
     tag = f"t{uuid4().hex[:10]}"
     database = f"opledger_{tag}"
     admin_dsn = make_conninfo(stack_settings.dsn, dbname="postgres")
@@ -87,3 +88,18 @@ def isolated(stack_settings: Settings) -> Iterator[Settings]:
         if ours:
             for future in admin.delete_topics(ours).values():
                 future.exception(timeout=30)
+
+
+@pytest.fixture
+def isolated(stack_settings: Settings) -> Iterator[Settings]:
+    """Settings with topics and a database of their own, dropped after the test."""
+    with _isolated(stack_settings) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def module_isolated(stack_settings: Settings) -> Iterator[Settings]:
+    """:func:`isolated` shared by a module's tests: only for tests that read what a module
+    fixture wrote, never for tests that write."""
+    with _isolated(stack_settings) as settings:
+        yield settings

@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TENANT = "acme"
 
 
-@pytest.fixture
-def projected(isolated: Settings) -> tuple[Settings, list[Transition], Expected, str]:
-    """300 operations across three tenants, one illegal event for an acme operation, projected.
+@pytest.fixture(scope="module")
+def projected(module_isolated: Settings) -> tuple[Settings, list[Transition], Expected, str]:
+    """300 operations across three tenants, one illegal event for an acme operation, projected
+    once for the module (its tests only read).
 
     Returns the settings, every event produced, the independent fold and the operation id that
     received the illegal event.
@@ -50,9 +51,9 @@ def projected(isolated: Settings) -> tuple[Settings, list[Transition], Expected,
         result_ref=content_ref(b"forged"),
     )
     events.append(illegal)
-    produce(isolated, events)
-    project_in_process(isolated)
-    return isolated, events, independent_fold(isolated), target.operation_id
+    produce(module_isolated, events)
+    project_in_process(module_isolated)
+    return module_isolated, events, independent_fold(module_isolated), target.operation_id
 
 
 def _tenant_ops(expected: Expected, tenant: str) -> list[ExecutionRecord]:
