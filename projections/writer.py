@@ -257,6 +257,13 @@ def _reconciliation_row(item: SourcedEvent) -> tuple[Any, ...]:
     )
 
 
+def _read(positions: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """The partitions something was read from: a stored offset of 0 (the row a batch inserts
+    for a partition it reads first) says the same as no row, so it does not make the cache
+    look stale."""
+    return {key: offset for key, offset in positions.items() if offset}
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return storable(text.splitlines()[0] if text else type(exc).__name__, 500)
@@ -465,7 +472,7 @@ class PostgresProjection:
             (consumer,),
         )
         positions = {(t, p): n for t, p, n in cur.fetchall()}
-        if positions != self._positions:
+        if self._positions is None or _read(positions) != _read(self._positions):
             self._operations.clear()
             self._deliveries.clear()
         return positions

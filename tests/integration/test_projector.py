@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
-from ledger.domain.events import ExecutionTransitioned
+from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
 from ledger.domain.ids import event_id, operation_id
 from ledger.domain.states import ExecutionState
 from ledger.metrics import Metrics
@@ -17,6 +18,7 @@ from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
 from opledger.workload import Workload
 from processors.batch_reader import BatchProjector
+from projections import writer
 from projections.writer import PostgresProjection
 from tests.support import (
     assert_projection_matches,
@@ -243,3 +245,55 @@ def test_two_projections_taking_turns_fold_from_the_stored_rows(isolated: Settin
         alone.close()
     assert taking_turns == _tables(isolated)
     assert len(taking_turns[0]) == 120 and taking_turns[1]
+
+
+def test_rows_stay_cached_when_a_batch_reads_a_partition_for_the_first_time(
+    isolated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that reads a partition for the first time stores a 0 offset for it before it
+    folds; that is not somebody else's commit, so the rows this projection just committed are
+    still used instead of read back. Somebody else's commit still makes it read them back."""
+    operations = list(Workload(seed=8).operations(40))
+    executions = [e for op in operations for e in op if isinstance(e, ExecutionTransitioned)]
+    deliveries = [e for op in operations for e in op if isinstance(e, DeliveryTransitioned)]
+    assert deliveries
+    ex, dl = isolated.execution_topic, isolated.delivery_topic
+
+    def sourced(topic: str, events: list[Any]) -> list[SourcedEvent]:
+        return [SourcedEvent(Coordinates(topic, 0, i), e, 0) for i, e in enumerate(events)]
+
+    parsed = 0
+    original = writer.execution_from_row
+
+    def counting(row: Any) -> Any:
+        nonlocal parsed
+        parsed += 1
+        return original(row)
+
+    monkeypatch.setattr(writer, "execution_from_row", counting)
+    sink = PostgresProjection.connect(isolated.dsn)
+    try:
+        sink.project("c", ProjectionBatch(sourced(ex, executions), [], {(ex, 0): len(executions)}))
+        parsed = 0
+        half = len(deliveries) // 2
+        first = ProjectionBatch(sourced(dl, deliveries[:half]), [], {(dl, 0): half})
+        assert sum(sink.project("c", first).applied.values()) > 0
+        assert parsed == 0, "rows committed by this projection were read back"
+        # Somebody else's commit moves an offset: the cached rows may be stale now.
+        with psycopg.connect(isolated.dsn) as conn:
+            conn.execute(
+                "UPDATE projector_offsets SET next_offset = %s WHERE consumer = 'c' AND topic = %s",
+                (len(executions) + 1000, ex),
+            )
+        rest = ProjectionBatch(
+            [
+                SourcedEvent(Coordinates(dl, 0, half + i), e, 0)
+                for i, e in enumerate(deliveries[half:])
+            ],
+            [],
+            {(dl, 0): len(deliveries)},
+        )
+        sink.project("c", rest)
+        assert parsed > 0, "rows were used from the cache after somebody else's commit"
+    finally:
+        sink.close()
