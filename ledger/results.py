@@ -82,7 +82,8 @@ class _GroupCommit:
 
     A failed shared commit is tried again row by row, so that a row PostgreSQL refuses fails
     only its own caller; a database that is away fails the whole group (each row would only
-    wait out the same reconnect window again). A caller interrupted while it waits (a
+    wait out the same reconnect window again), and so do the puts that queued behind it, so no
+    caller waits much longer than one window, as before. A caller interrupted while it waits (a
     KeyboardInterrupt in the main thread) gives up its place in the line of leaders, so the
     puts behind it never wait for a leader who is gone."""
 
@@ -118,13 +119,21 @@ class _GroupCommit:
         with self._lock:
             leader.leads = False
             group = self._take()
+        away: ResultStoreError | None = None
         try:
-            self._commit(group)
+            away = self._commit(group)
         finally:
             for waiter in group:
                 if waiter is not leader:
                     waiter.latch.release()
             with self._lock:
+                if away is not None:
+                    # The puts that queued meanwhile have waited out the same reconnect window:
+                    # they fail now rather than each wait another one.
+                    for waiter in self._queue:
+                        waiter.error = _again(away)
+                        waiter.latch.release()
+                    self._queue = []
                 self._hand_off()
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -157,15 +166,18 @@ class _GroupCommit:
         batch, self._queue = queue[:count], queue[count:]
         return batch
 
-    def _commit(self, batch: list[_Waiter]) -> None:
+    def _commit(self, batch: list[_Waiter]) -> ResultStoreError | None:
+        """Commit ``batch``, setting each waiter's error; returns the error when the database
+        did not answer within the reconnect window."""
         try:
             self._commit_many([w.result for w in batch])
-            return
+            return None
         except ResultStoreError as exc:
-            if len(batch) == 1 or isinstance(exc.__cause__, DatabaseUnavailableError):
+            away = isinstance(exc.__cause__, DatabaseUnavailableError)
+            if len(batch) == 1 or away:
                 for waiter in batch:
                     waiter.error = _again(exc)
-                return
+                return exc if away else None
         except BaseException:
             for waiter in batch:
                 waiter.error = ResultStoreError(
@@ -178,6 +190,7 @@ class _GroupCommit:
                 self._commit_many([waiter.result])
             except ResultStoreError as exc:
                 waiter.error = _again(exc)
+        return None
 
 
 def _again(exc: ResultStoreError) -> ResultStoreError:
@@ -298,6 +311,8 @@ class ResultStore:
             return
 
         def insert(conn: psycopg.Connection[Any]) -> None:
+            # Autocommit: the statement is its own transaction, committed (on disk, with
+            # synchronous_commit on) when execute returns.
             if len(results) == 1:
                 # One row (a lone caller, the usual case): plain parameters cost the client
                 # less than four one-element arrays.

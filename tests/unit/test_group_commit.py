@@ -122,6 +122,18 @@ def test_a_database_that_is_away_fails_the_whole_group_once() -> None:
     assert len(commits.groups) == 2  # no row-by-row retry: each would wait out the window
 
 
+def test_puts_queued_while_the_database_was_away_fail_with_it_instead_of_waiting_again() -> None:
+    def refuse(results: Sequence[PreparedResult]) -> BaseException | None:
+        return DatabaseUnavailableError("no answer within 30s")
+
+    commits = _Commits(refuse)
+    outcome = _put_all(_GroupCommit(commits), commits, ["a", "b"])
+    for text in ("leader", "a", "b"):
+        error = outcome[text]
+        assert isinstance(error, ResultStoreError) and "no answer" in str(error)
+    assert len(commits.groups) == 1  # "a" and "b" waited out the leader's window already
+
+
 def test_a_group_stops_at_the_byte_limit_and_the_rest_goes_next() -> None:
     commits = _Commits(lambda results: None)
     outcome = _put_all(
