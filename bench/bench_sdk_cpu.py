@@ -16,7 +16,12 @@ broker, and PostgreSQL (the postmaster and its backends). Their sum is what one 
 machine; ``cores / that`` is the most calls per second this machine could make with every core
 busy, the ceiling any change of concurrency alone stays under.
 
+Then one caller's puts, one at a time: the CPU per put of this process with a lone row sent as
+plain parameters (what ``put`` does) and as four one-element arrays (the first version of shared
+commits), taking turns ``--rounds`` times.
+
     PYTHONPATH=. .venv/bin/python bench/bench_sdk_cpu.py [-n 10000] [--callers 16] [--rounds 2]
+        [--lone-puts 1000]
 """
 
 from __future__ import annotations
@@ -188,12 +193,59 @@ STORES: dict[str, Callable[[str], ResultStore]] = {
 }
 
 
+class OneRowAsArrays(ResultStore):
+    """Every put through the many-rows statement, a lone row as four one-element arrays: how
+    the first version of shared commits stored a group of one."""
+
+    def put(
+        self, tenant_id: str, payload: bytes, content_type: str = "application/octet-stream"
+    ) -> str:
+        result = self.prepare(tenant_id, payload, content_type)
+
+        def insert(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(
+                """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
+                   SELECT r, t, c, p, length(p)
+                     FROM unnest(%s::text[], %s::text[], %s::text[], %s::bytea[]) AS x(r, t, c, p)
+                   ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
+                ([result.result_ref], [result.tenant_id], [result.content_type], [result.payload]),
+            )
+
+        self._retrying(f"store result {result.result_ref}", insert)
+        return result.result_ref
+
+
+def lone_puts(settings: Settings, puts: int, rounds: int) -> None:
+    """One caller's puts, one at a time: this process's CPU per put with a lone row as plain
+    parameters (today's ``put``) and as one-element arrays, taking turns."""
+    stores = {"plain parameters": ResultStore, "one-element arrays": OneRowAsArrays}
+    numbers = itertools.count()
+    used: dict[str, list[float]] = {name: [] for name in stores}
+    for _ in range(rounds):
+        for name, kind in stores.items():
+            with kind.connect(settings.dsn) as store:
+                for _ in range(100):  # the pool's connection and the prepared statement
+                    store.put("acme", b"warm-up %d" % next(numbers))
+                started = time.process_time()
+                for _ in range(puts):
+                    store.put("acme", b'{"message_id": %d}' % next(numbers))
+                used[name].append(1e6 * (time.process_time() - started) / puts)
+    print()
+    print(f"one caller, {puts} puts per round, {rounds} rounds: this process's CPU per put, us")
+    for name, values in used.items():
+        print(
+            f"  {name:<20} median {statistics.median(values):5.0f}  rounds "
+            + ", ".join(f"{v:.0f}" for v in values)
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=10000, help="calls per round and mode")
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--lone-puts", type=int, default=1000, help="puts per round, one caller")
     args = parser.parse_args()
     base = Settings.from_env()
     rounds: list[Round] = []
@@ -217,7 +269,8 @@ def main() -> None:
                         warmup=args.warmup,
                     )
                 )
-    report(rounds)
+        report(rounds)
+        lone_puts(env.settings, args.lone_puts, args.rounds)
 
 
 if __name__ == "__main__":
