@@ -51,6 +51,7 @@ from consumers.server import (
     JSON_CONTENT_TYPE,
     KEEPALIVE_S,
     MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_CLIENT,
     REQUEST_TIMEOUT_S,
     Deferred,
     HttpServer,
@@ -133,6 +134,7 @@ class Receiver:
         keepalive_timeout_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
     ) -> None:
         self.runtime = runtime
         self._verifier = verifier
@@ -159,6 +161,7 @@ class Receiver:
             keepalive_timeout_s=keepalive_timeout_s,
             request_timeout_s=request_timeout_s,
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
         )
 
     async def start(self, host: str, port: int) -> int:
@@ -289,6 +292,7 @@ async def serve(
         keepalive_timeout_s=settings.consumer_keepalive_timeout_s,
         request_timeout_s=settings.consumer_request_timeout_s,
         max_connections=settings.consumer_max_connections,
+        max_connections_per_client=settings.consumer_max_connections_per_client,
     )
     try:
         bound = await receiver.start(host, port)

@@ -82,6 +82,8 @@ REQUEST_TIMEOUT_S = 30.0
 #: Default bound on open connections: past it a new one is answered 503 and closed at once
 #: (each costs a file descriptor, and the process has a bounded number of those).
 MAX_CONNECTIONS = 512
+#: Connections one client address may hold of them: one client cannot take every place.
+MAX_CONNECTIONS_PER_CLIENT = 128
 #: How long a connection closed after an answer keeps reading (and dropping) what still comes.
 LINGER_S = 5.0
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
@@ -268,12 +270,18 @@ class HttpServer:
         keepalive_timeout_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
     ) -> None:
         if not (keepalive_timeout_s > 0 and request_timeout_s > 0):
             raise ValueError("the keep-alive and request timeouts must be positive")
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+        if max_connections_per_client < 1:
+            raise ValueError("max_connections_per_client must be at least 1")
         self.max_connections = max_connections
+        self.max_connections_per_client = max_connections_per_client
+        #: client address -> connections it holds
+        self.clients: dict[str, int] = {}
         self._routes = dict(routes)
         for (method, path), route in routes.items():
             if method == "GET":
@@ -355,6 +363,7 @@ class _Connection(asyncio.Protocol):
         self._loop = server.loop
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
+        self._client: str | None = None  # the address counted against its bound, while held
         self._exchanges: deque[_Exchange] = deque()
         self._current: _Exchange | None = None  # head parsed, body still coming
         self._url: list[bytes] = []
@@ -384,18 +393,25 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         server = self._server
         if len(server.connections) >= server.max_connections:
-            self._turn_away(self._transport)
+            self._turn_away(self._transport, _BUSY)
             return
+        client = _client_address(self._transport)
+        if client is not None:
+            if server.clients.get(client, 0) >= server.max_connections_per_client:
+                self._turn_away(self._transport, _BUSY_CLIENT)
+                return
+            server.clients[client] = server.clients.get(client, 0) + 1
+            self._client = client
         server.connections.add(self)
         now = self._idle_since = self._loop.time()
         self._timer = self._loop.call_at(now + self._server.timer_horizon_s, self._check_deadlines)
 
-    def _turn_away(self, transport: asyncio.Transport) -> None:
-        """Answer 503 before any request is read, and close: the server holds as many
-        connections as it may."""
+    def _turn_away(self, transport: asyncio.Transport, problem: Problem) -> None:
+        """Answer ``problem`` before any request is read, and close: the server, or this
+        client, holds as many connections as it may."""
         self._closing = True
         self._transport = None  # never served: nothing else is written nor timed
-        response = problem_response(_BUSY)
+        response = problem_response(problem)
         exchange = _Exchange(None, close=True)
         transport.write(self._encode(exchange, response))
         transport.close()
@@ -403,7 +419,15 @@ class _Connection(asyncio.Protocol):
             self._server.observe(None, response)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        server = self._server
+        server.connections.discard(self)
+        client, self._client = self._client, None
+        if client is not None:
+            left = server.clients[client] - 1
+            if left:
+                server.clients[client] = left
+            else:
+                del server.clients[client]
         self._transport = None
         self._exchanges.clear()
         if self._timer is not None:
@@ -809,6 +833,21 @@ _BUSY = Problem(
     "the receiver holds as many connections as it may; retry, or reuse a connection",
     retry_after_s=1,
 )
+_BUSY_CLIENT = Problem(
+    429,
+    "too-many-connections-from-client",
+    "Too many connections from this client",
+    "this client address holds as many connections as it may; reuse a connection",
+    retry_after_s=1,
+)
+
+
+def _client_address(transport: asyncio.BaseTransport) -> str | None:
+    """The peer's host, or None when there is none to count by (a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer and isinstance(peer[0], str):
+        return peer[0]
+    return None
 
 
 def _first_line(error: Exception) -> str:

@@ -84,9 +84,10 @@ class Served:
         self._thread.start()
         self.port = self.call(self.server.start("127.0.0.1", 0))
 
-    def client(self) -> Client:
-        """A new connection to the server; :meth:`close` closes it, so a test need not."""
-        self.clients.append(Client(self.port))
+    def client(self, source: str | None = None) -> Client:
+        """A new connection to the server (from the loopback address ``source``, if given);
+        :meth:`close` closes it, so a test need not."""
+        self.clients.append(Client(self.port, source))
         return self.clients[-1]
 
     def call(self, coroutine: Any) -> Any:
@@ -184,8 +185,10 @@ class Answer:
 class Client:
     """A raw socket: requests are written as given, answers parsed one at a time."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port: int, source: str | None = None) -> None:
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=10, source_address=None if source is None else (source, 0)
+        )
         self.buffer = b""
 
     def send(self, data: bytes) -> None:
@@ -684,6 +687,36 @@ def test_connections_over_the_bound_get_503_and_are_closed(
     assert_serves(served.client())  # a place came free
 
 
+def test_one_client_cannot_hold_every_connection(serve_with: Callable[..., Served]) -> None:
+    """Past its own bound a client address is answered 429 before its request is read, while
+    another address is still served; a connection it closes gives its place back."""
+    served = serve_with(max_connections=10, max_connections_per_client=2)
+    held = [served.client(), served.client()]
+    for client in held:
+        assert_serves(client)
+    greedy = served.client()
+    assert_last_answer_is_problem(greedy, 429, "too-many-connections-from-client")
+    assert ("", "", 429) in served.seen
+    other = served.client(source="127.0.0.2")  # another client, on the same loopback
+    assert_serves(other)
+    assert served.call(_clients(served.server)) == {"127.0.0.1": 2, "127.0.0.2": 1}
+    held[0].close()
+    deadline = time.monotonic() + 10
+    while served.call(_clients(served.server)).get("127.0.0.1") != 1:
+        assert time.monotonic() < deadline, "a closed connection kept its client's place"
+        time.sleep(0.02)
+    assert_serves(served.client())  # its place came free
+    for client in [*served.clients]:
+        client.close()
+    while served.call(_clients(served.server)):
+        assert time.monotonic() < deadline, "closed connections were still counted"
+        time.sleep(0.02)
+
+
+async def _clients(server: HttpServer) -> dict[str, int]:
+    return dict(server.clients)
+
+
 def test_an_answer_before_any_request_is_observed(serve_with: Callable[..., Served]) -> None:
     served = serve_with(keepalive_timeout_s=30, request_timeout_s=TIMEOUT_S)
     client = served.client()
@@ -773,3 +806,5 @@ def test_timeouts_must_be_positive() -> None:
         HttpServer({}, max_body=MAX_BODY, request_timeout_s=-1.0)
     with pytest.raises(ValueError, match="max_connections"):
         HttpServer({}, max_body=MAX_BODY, max_connections=0)
+    with pytest.raises(ValueError, match="max_connections_per_client"):
+        HttpServer({}, max_body=MAX_BODY, max_connections_per_client=0)

@@ -38,6 +38,7 @@ def test_consumer_overrides() -> None:
             "OPLEDGER_CONSUMER_KEEPALIVE_TIMEOUT_S": "5",
             "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S": "7",
             "OPLEDGER_CONSUMER_MAX_CONNECTIONS": "64",
+            "OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT": "16",
             "OPLEDGER_TOPIC_PREFIX": "t1",
         }
     )
@@ -49,7 +50,7 @@ def test_consumer_overrides() -> None:
     assert s.consumer_secret_list == (SECRET, OTHER_SECRET)
     assert s.consumer_timestamp_tolerance_s == 60
     assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (5, 7)
-    assert s.consumer_max_connections == 64
+    assert (s.consumer_max_connections, s.consumer_max_connections_per_client) == (64, 16)
     assert s.consumer_keys_topic == "t1.consumer-keys.v1"
 
 
@@ -67,6 +68,7 @@ def test_consumer_overrides() -> None:
         ("OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", "0"),
         ("OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", "1.5"),
         ("OPLEDGER_CONSUMER_MAX_CONNECTIONS", "0"),
+        ("OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT", "0"),
     ],
 )
 def test_bad_consumer_values_name_the_variable(name: str, raw: str) -> None:
