@@ -82,8 +82,9 @@ REQUEST_TIMEOUT_S = 30.0
 #: Default bound on open connections: past it a new one is answered 503 and closed at once
 #: (each costs a file descriptor, and the process has a bounded number of those).
 MAX_CONNECTIONS = 512
-#: Connections one client address may hold of them: one client cannot take every place.
-MAX_CONNECTIONS_PER_CLIENT = 128
+#: Connections one client address may hold of them: one client cannot take every place. As
+#: many as a delivery worker opens to one destination by default (OPLEDGER_DELIVERY_CONCURRENCY).
+MAX_CONNECTIONS_PER_CLIENT = 256
 #: How long a connection closed after an answer keeps reading (and dropping) what still comes.
 LINGER_S = 5.0
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"

@@ -156,9 +156,10 @@ class Settings:
     #: is answered 503 (Retry-After: 1) and closed before its request is read.
     consumer_max_connections: int = 512
     #: OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT: of those, the most one client address may
-    #: hold; one more from it is answered 429 (Retry-After: 1) and closed. Behind a proxy that
-    #: connects from one address, set it to the total.
-    consumer_max_connections_per_client: int = 128
+    #: hold; one more from it is answered 429 (Retry-After: 1) and closed. The default is what one
+    #: delivery worker opens to one destination; behind a proxy that connects from one address,
+    #: or for several delivery workers on one host, raise it.
+    consumer_max_connections_per_client: int = 256
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -206,7 +207,7 @@ class Settings:
             consumer_request_timeout_s=_int(env, "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", 30),
             consumer_max_connections=_int(env, "OPLEDGER_CONSUMER_MAX_CONNECTIONS", 512),
             consumer_max_connections_per_client=_int(
-                env, "OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT", 128
+                env, "OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT", 256
             ),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),

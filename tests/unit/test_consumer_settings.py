@@ -100,3 +100,11 @@ def test_the_secret_is_not_in_the_settings_repr() -> None:
     assert SECRET not in repr(s)
     assert SECRET.removeprefix("whsec_") not in repr(s)
     assert "consumer_name='reference'" in repr(s)
+
+
+def test_one_delivery_worker_fits_in_the_receivers_bound_per_client() -> None:
+    """By default a delivery worker opens up to its concurrency in connections to one
+    destination; the reference receiver's bound per client address must not refuse them."""
+    defaults = Settings.from_env(HOME)
+    assert defaults.consumer_max_connections_per_client >= defaults.delivery_concurrency
+    assert defaults.consumer_max_connections_per_client < defaults.consumer_max_connections
