@@ -154,10 +154,10 @@ def _aws_secret_key(m: re.Match[str], text: str) -> bool:
     mixed = any(c.islower() for c in value) and any(c.isupper() for c in value)
     if not (mixed and any(c.isdigit() or c in "+/" for c in value)):
         return False
-    # Entropy alone let about 4 random keys in 10,000 through (the characters of 40 random
-    # draws repeat more than usual), so a key whose "words" are as short as random text's also
-    # counts: random base64 averages under two characters a word, names four or more
-    # (tests/unit/test_redact.py holds both to it).
+    # Entropy alone let a few random keys in 10,000 through (the characters of 40 random
+    # draws can repeat more than usual), so a key whose camelCase "words" are as short as
+    # random text's also counts: random base64's are about two characters long, names' four
+    # or more (tests/unit/test_redact.py holds both to it).
     return _entropy(value) >= 4.3 or _mean_word_length(value) < 3.0
 
 

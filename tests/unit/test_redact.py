@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import re
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +29,14 @@ from pydantic import ValidationError
 
 from ledger import secrets
 from ledger.domain.events import MAX_ERROR_LENGTH
-from ledger.domain.redact import REDACTED, looks_secret, redact, secret_spans
+from ledger.domain.redact import (
+    REDACTED,
+    _entropy,
+    _mean_word_length,
+    looks_secret,
+    redact,
+    secret_spans,
+)
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.secrets import RedactingFilter, scrub
 
@@ -510,6 +518,10 @@ def test_every_random_aws_secret_key_is_flagged_even_when_its_characters_repeat(
     keys = [k for k in keys if any(c in _DIGITS + "+/" for c in k)]
     missed = [k for k in keys if not looks_secret(f"got {k} back")]
     assert missed == []
+    # What the shape's comment says: entropy alone would miss some of them (15 of these), and
+    # random keys' camelCase "words" are about two characters long.
+    assert sum(_entropy(k) < 4.3 for k in keys) > 0
+    assert statistics.median(_mean_word_length(k) for k in keys) < 2.0
 
 
 @pytest.mark.parametrize(
