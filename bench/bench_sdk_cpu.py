@@ -53,28 +53,14 @@ CORES = os.cpu_count() or 1
 
 
 class OneCommitPerPut(ResultStore):
-    """``ResultStore.put`` before shared commits: its own ``INSERT`` and commit per call."""
+    """``ResultStore.put`` before shared commits: its own ``INSERT`` and commit per call (a
+    ``put_many`` of one row is that statement)."""
 
     def put(
         self, tenant_id: str, payload: bytes, content_type: str = "application/octet-stream"
     ) -> str:
         result = self.prepare(tenant_id, payload, content_type)
-
-        def insert(conn: psycopg.Connection[Any]) -> None:
-            conn.execute(
-                """INSERT INTO results (result_ref, tenant_id, content_type, payload, size_bytes)
-                   VALUES (%s, %s, %s, %s, %s)
-                   ON CONFLICT (tenant_id, result_ref) DO NOTHING""",
-                (
-                    result.result_ref,
-                    result.tenant_id,
-                    result.content_type,
-                    result.payload,
-                    len(result.payload),
-                ),
-            )
-
-        self._retrying(f"store result {result.result_ref}", insert)
+        self.put_many([result])
         return result.result_ref
 
 
