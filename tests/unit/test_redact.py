@@ -303,8 +303,9 @@ TOKENS = {
         st.text(_URLSAFE, min_size=2, max_size=80),
         st.text(_URLSAFE, max_size=43),
     ),
-    # From 48 characters on, all but ~1 in 40,000 random keys are flagged; the rate at the
-    # minimum length is checked by test_the_entropy_shape_flags_nearly_all_random_keys_...
+    # From 48 characters on, all but about 1 lowercase key in 100,000 are flagged
+    # (test_random_keys_of_40_characters_and_more_are_flagged...); the rate at the minimum
+    # length is checked by test_the_entropy_shape_flags_nearly_all_random_keys_...
     "high_entropy_base64": _random_looking(_ALNUM, 48, 64).filter(_has_letter_and_digit),
     "high_entropy_hex": _random_looking(_DIGITS + "abcdef", 40, 64).filter(_has_letter_and_digit),
     "high_entropy_lowercase": _random_looking(_LOWER + _DIGITS, 48, 64).filter(
@@ -508,6 +509,32 @@ def test_the_entropy_shape_flags_nearly_all_random_keys_of_the_minimum_length(
     keys = [k for k in keys if _has_letter_and_digit(k)]
     flagged = sum(looks_secret(f"got {k} back") for k in keys)
     assert flagged >= 0.97 * len(keys)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        # Random keys that entropy alone let through (found by drawing 300,000 of each kind):
+        # their characters repeat more than usual, but their "words" are as short as random.
+        "J8vMO3NriM8IxdUvYYNIkrUiYWbCN78ik887UssMKUgA3Abr",
+        "ykKmtDSlyRDQ2GKURDLDyDbBLBWNSLvVvLrwNVKw02KDc4S2",
+        "81yck8ik9y2n1qptyy2lqozn2pzsk2lqjq81os8p8eyk2rns",
+        "9ao2w596vi9bop02vio441lihoi2pcpw2o5969k4wx6429xv",
+    ],
+)
+def test_random_keys_whose_characters_repeat_are_flagged(key: str) -> None:
+    assert looks_secret(f"got {key} back")
+
+
+@pytest.mark.parametrize(
+    ("alphabet", "size"),
+    [(_ALNUM, 40), (_ALNUM, 48), (_ALNUM, 64), (_LOWER + _DIGITS, 48), (_LOWER + _DIGITS, 64)],
+)
+def test_random_keys_of_40_characters_and_more_are_flagged(alphabet: str, size: int) -> None:
+    keys = [_stretch(str(i).encode(), alphabet, size) for i in range(20000)]
+    keys = [k for k in keys if _has_letter_and_digit(k)]
+    missed = [k for k in keys if not looks_secret(f"got {k} back")]
+    assert missed == []
 
 
 def test_every_random_aws_secret_key_is_flagged_even_when_its_characters_repeat() -> None:
