@@ -173,7 +173,7 @@ def _random_looking(m: re.Match[str], text: str) -> bool:
     at 32 characters it passes ~99.5% of random keys that mix letters and digits, while
     camelCase/snake_case names stay below it. From 40 characters on, short "words" count too:
     no random mixed-case key of 40, 48 or 64 characters was missed in 300,000 of each (two
-    draws), and about one lowercase key of 48 in 100,000 (tests/unit/test_redact.py).
+    draws), and 2 lowercase keys of 48 in 300,000 (tests/unit/test_redact.py holds a sample).
     """
     token = _secret(m, text)
     if _DASHED_HEX.fullmatch(token):

@@ -303,7 +303,7 @@ TOKENS = {
         st.text(_URLSAFE, min_size=2, max_size=80),
         st.text(_URLSAFE, max_size=43),
     ),
-    # From 48 characters on, all but about 1 lowercase key in 100,000 are flagged
+    # From 48 characters on, all but about 2 lowercase keys in 300,000 are flagged
     # (test_random_keys_of_40_characters_and_more_are_flagged...); the rate at the minimum
     # length is checked by test_the_entropy_shape_flags_nearly_all_random_keys_...
     "high_entropy_base64": _random_looking(_ALNUM, 48, 64).filter(_has_letter_and_digit),
