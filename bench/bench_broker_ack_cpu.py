@@ -6,7 +6,8 @@ records that wait together for the broker go in one request.
 
 Both phases: ``--callers`` threads share one producer with the SDK's configuration
 (``ledger.kafka.producer_config``: idempotent, acks=all, linger 0) and each produces one record
-(``--size`` bytes, a random key on the ledger's ``--partitions``) and waits for its own
+(``--size`` bytes, a random key, on a private execution topic with the ledger's partitions,
+``OPLEDGER_PARTITIONS``) and waits for its own
 acknowledgement, ``-n`` records in all. Timed: records/s and the broker's CPU per record (from
 ``/proc``), plus this process's.
 
