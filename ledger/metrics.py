@@ -43,6 +43,7 @@ class Metrics:
     dead_lettered_deliveries: Gauge
     delivery_redrives: Counter
     delivery_pass_seconds: Histogram
+    result_fetches: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -193,6 +194,13 @@ class Metrics:
             outbox_deliveries=Counter(
                 "opledger_outbox_deliveries_total",
                 "PENDING deliveries the outbox opened for SUCCEEDED executions.",
+                registry=registry,
+            ),
+            result_fetches=Counter(
+                "opledger_delivery_result_fetches",
+                "Fetches of results delivered by reference, by answer (served, bad-signature, "
+                "not-found, ...).",
+                ["outcome"],
                 registry=registry,
             ),
             delivery_send_seconds=Histogram(

@@ -127,6 +127,14 @@ class Settings:
     delivery_horizon_s: int = 3 * 24 * 3600
     #: OPLEDGER_DELIVERY_CONCURRENCY: sends in flight at once per worker.
     delivery_concurrency: int = 256
+    #: OPLEDGER_DELIVERY_INLINE_MAX_BYTES: a webhook delivery carries its result in its body
+    #: up to this size; a larger one carries ``result_url`` instead, which the destination
+    #: fetches from the delivery worker with a signed GET (decision 015).
+    delivery_inline_max_bytes: int = 512 * 1024
+    #: OPLEDGER_DELIVERY_RESULTS_URL: the base URL destinations reach the delivery workers'
+    #: ``GET /results/...`` at (a load balancer in front of them); empty: this host's
+    #: ``http://127.0.0.1:<delivery web port>``.
+    delivery_results_url: str = ""
     #: OPLEDGER_CONSUMER_NAME: the consumer's name in its inbox and in the key store (letters,
     #: digits, '.', '_', '-'); replicas of one consumer share it, different consumers must not.
     consumer_name: str = "reference"
@@ -196,6 +204,8 @@ class Settings:
             delivery_max_attempts=_int(env, "OPLEDGER_DELIVERY_MAX_ATTEMPTS", 8),
             delivery_horizon_s=_int(env, "OPLEDGER_DELIVERY_HORIZON_S", 3 * 24 * 3600),
             delivery_concurrency=_int(env, "OPLEDGER_DELIVERY_CONCURRENCY", 256),
+            delivery_inline_max_bytes=_int(env, "OPLEDGER_DELIVERY_INLINE_MAX_BYTES", 512 * 1024),
+            delivery_results_url=env.get("OPLEDGER_DELIVERY_RESULTS_URL", ""),
             consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
             consumer_web_port=_int(env, "OPLEDGER_CONSUMER_WEB_PORT", 16068),
             consumer_pg_dsn=env.get("OPLEDGER_CONSUMER_PG_DSN", ""),
@@ -244,6 +254,7 @@ class Settings:
             ("delivery_max_attempts", 1),
             ("delivery_horizon_s", 1),
             ("delivery_concurrency", 1),
+            ("delivery_inline_max_bytes", 0),
             ("consumer_keepalive_timeout_s", 1),
             ("consumer_request_timeout_s", 1),
             ("consumer_max_connections", 1),
@@ -253,6 +264,13 @@ class Settings:
                 raise SettingsError(
                     f"{_var(name)} must be at least {least}, got {getattr(self, name)}"
                 )
+        if self.delivery_results_url and not re.fullmatch(
+            r"https?://[^\s/?#]+(/[^\s?#]*)?", self.delivery_results_url
+        ):
+            raise SettingsError(
+                f"{_var('delivery_results_url')} must be an http(s) URL without query or "
+                f"fragment, got {self.delivery_results_url!r}"
+            )
         try:
             parse_schedule(self.delivery_schedule)
         except ValueError as exc:
@@ -288,6 +306,12 @@ class Settings:
     def with_(self, **changes: object) -> Self:
         """A copy with some fields changed (tests use it for isolated topics and databases)."""
         return replace(self, **changes).validated()  # type: ignore[arg-type]  # dataclasses.replace is untyped on **kwargs
+
+    @property
+    def results_base_url(self) -> str:
+        """Where destinations fetch results delivered by reference (no trailing slash)."""
+        base = self.delivery_results_url or f"http://127.0.0.1:{self.delivery_web_port}"
+        return base.rstrip("/")
 
     @property
     def delivery_retry_policy(self) -> RetryPolicy:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import getpass
 import logging
 import os
@@ -43,6 +44,7 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
     from ledger.results import ResultStore  # noqa: PLC0415
     from ledger.transport import KafkaTransport  # noqa: PLC0415
     from processors.app import create_app  # noqa: PLC0415
+    from processors.delivery.result_endpoint import ResultEndpoint  # noqa: PLC0415
     from processors.delivery.senders import WebhookSender  # noqa: PLC0415
     from processors.delivery.worker import DeliveryWorker  # noqa: PLC0415
 
@@ -72,6 +74,15 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
         web_port=settings.delivery_web_port,
         instance_id=f"{socket.gethostname()}-{os.getpid()}",
     )
+    endpoint = ResultEndpoint(pool, DestinationStore(pool), ResultStore(pool))
+
+    async def results(web: Any, request: Any, operation_id: str) -> Any:
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        answer = await asyncio.to_thread(endpoint.fetch, operation_id, dict(request.query), headers)
+        metrics.result_fetches.labels(answer.outcome).inc()
+        return web.bytes(answer.body, content_type=answer.content_type, status=answer.status)
+
+    app.page("/results/{operation_id}")(results)
     return app, worker, [webhooks, history, transport, pool]
 
 

@@ -2,8 +2,9 @@
 headers, Standard Webhooks signing included.
 
 The body is canonical JSON of values that never change between sends (the operation, the
-destination, the stored result), so every send of one delivery carries the very same bytes: a
-receiver that fingerprints the raw body sees a retry as the same request.
+destination, the stored result or, over the inline limit, where to fetch it: decision 015), so
+every send of one delivery carries the very same bytes: a receiver that fingerprints the raw
+body sees a retry as the same request.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Delivery:
     result_ref: str
     content_type: str
     result: bytes
+    #: Set when the result is too large to carry: the body names where to fetch it instead.
+    result_url: str | None = None
 
     @property
     def webhook_id(self) -> str:
@@ -38,17 +41,22 @@ class Delivery:
         return f"{self.operation_id}:{self.destination}"
 
     def body(self) -> bytes:
-        return canonical_json(
-            {
-                "operation_id": self.operation_id,
-                "tenant_id": self.tenant_id,
-                "tool_name": self.tool_name,
-                "destination": self.destination,
-                "result_ref": self.result_ref,
-                "content_type": self.content_type,
-                "result_b64": base64.b64encode(self.result).decode("ascii"),
-            }
-        )
+        fields: dict[str, str | int] = {
+            "operation_id": self.operation_id,
+            "tenant_id": self.tenant_id,
+            "tool_name": self.tool_name,
+            "destination": self.destination,
+            "result_ref": self.result_ref,
+            "content_type": self.content_type,
+        }
+        if self.result_url is None:
+            fields["result_b64"] = base64.b64encode(self.result).decode("ascii")
+        else:
+            # By reference (decision 015): the URL and size never change between sends, so
+            # every send still carries the very same bytes.
+            fields["result_url"] = self.result_url
+            fields["result_size"] = len(self.result)
+        return canonical_json(fields)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -61,6 +61,7 @@ from ledger.history import HistoryError, HistoryReader
 from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
+from ledger.result_fetch import result_url
 from ledger.results import ResultStore, StoredResult
 from ledger.secrets import scrub
 from ledger.settings import Settings
@@ -646,6 +647,10 @@ class DeliveryWorker:
         for index, item in enumerate(sends):
             destination, stored = item.destination, item.result
             assert destination is not None and stored is not None
+            by_reference = (
+                destination.kind is Kind.WEBHOOK
+                and len(stored.payload) > self._settings.delivery_inline_max_bytes
+            )
             delivery = Delivery(
                 operation_id=item.record.operation_id,
                 tenant_id=item.record.tenant_id,
@@ -654,6 +659,14 @@ class DeliveryWorker:
                 result_ref=item.execution.result_ref or "",
                 content_type=stored.content_type,
                 result=stored.payload,
+                result_url=result_url(
+                    self._settings.results_base_url,
+                    item.record.tenant_id,
+                    item.record.destination,
+                    item.record.operation_id,
+                )
+                if by_reference
+                else None,
             )
             body = delivery.body()
             if destination.kind is Kind.WEBHOOK:

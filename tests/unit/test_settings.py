@@ -112,6 +112,10 @@ def test_non_integer_names_the_variable(name: str, raw: str) -> None:
         ("OPLEDGER_PROJECTOR_BATCH", "0"),
         ("OPLEDGER_TOPIC_PREFIX", "has space"),
         ("OPLEDGER_TOPIC_PREFIX", ""),
+        ("OPLEDGER_DELIVERY_INLINE_MAX_BYTES", "-1"),
+        ("OPLEDGER_DELIVERY_RESULTS_URL", "ftp://ledger.example"),
+        ("OPLEDGER_DELIVERY_RESULTS_URL", "https://ledger.example/x?y=1"),
+        ("OPLEDGER_DELIVERY_RESULTS_URL", "https://"),
     ],
 )
 def test_out_of_range_value_names_the_variable(name: str, raw: str) -> None:
@@ -164,3 +168,9 @@ def test_every_field_maps_to_a_documented_variable() -> None:
     source = Path(settings_module.__file__).read_text(encoding="utf-8")
     for field in dataclasses.fields(Settings):
         assert f"#: OPLEDGER_{field.name.upper()}:" in source, field.name
+
+
+def test_results_are_fetched_from_the_delivery_port_unless_a_url_is_given() -> None:
+    assert Settings.from_env(HOME).results_base_url == "http://127.0.0.1:16069"
+    given = Settings.from_env({**HOME, "OPLEDGER_DELIVERY_RESULTS_URL": "https://lb.example/l/"})
+    assert given.results_base_url == "https://lb.example/l"
