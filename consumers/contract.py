@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ledger.domain.events import Identifier, ToolName
 from ledger.domain.ids import OPERATION_ID_RE, SHA256_REF_RE, content_ref
+from ledger.result_fetch import MAX_RESULT_BYTES
 
 #: Largest body a receiver reads; a longer one is refused (413) before it is read.
 MAX_BODY_BYTES = 1024 * 1024
@@ -140,6 +141,12 @@ def unavailable(detail: str) -> ProblemError:
     )
 
 
+def result_unavailable(detail: str) -> ProblemError:
+    return ProblemError(
+        Problem(503, "result-unavailable", "Result delivered by reference not fetched", detail, 5)
+    )
+
+
 def http_problem(status: int, reason: str) -> Problem:
     """A problem for what the HTTP layer refuses by itself (404, 405...)."""
     slug = reason.lower().replace(" ", "-") or str(status)
@@ -195,6 +202,9 @@ _Destination = Annotated[
 ]
 
 
+_ResultUrl = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[!-~]+$")]
+
+
 class EventBody(BaseModel):
     """The JSON object of ``POST /events`` (and of a queue record). Unknown members are
     ignored, so the sender may add fields without breaking receivers."""
@@ -207,20 +217,32 @@ class EventBody(BaseModel):
     destination: _Destination
     result_ref: Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
     content_type: _ContentType
-    result_b64: str
+    #: the result, inline; or, when it is too large to carry (decision 015), none of it here:
+    #: ``result_url`` says where to fetch it and ``result_size`` how long it is.
+    result_b64: str | None = None
+    result_url: _ResultUrl | None = None
+    result_size: Annotated[int, Field(ge=0, le=MAX_RESULT_BYTES)] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One delivery as received: the checked body, its raw bytes' fingerprint, the result."""
+    """One delivery as received: the checked body, its raw bytes' fingerprint, the result
+    (None until a result delivered by reference is fetched: :meth:`with_result`)."""
 
     body: EventBody
     fingerprint: bytes
-    result: bytes
+    result: bytes | None
 
     @property
     def operation_id(self) -> str:
         return self.body.operation_id
+
+    def with_result(self, result: bytes) -> Event:
+        """This event with its fetched result, checked against ``result_ref`` and the size.
+        Raises :class:`ProblemError` (422): the bytes are not the result the event names."""
+        if len(result) != self.body.result_size or content_ref(result) != self.body.result_ref:
+            raise invalid_event("the fetched result is not the one result_ref names")
+        return Event(self.body, self.fingerprint, result)
 
 
 def _first_errors(exc: ValidationError, limit: int = 3) -> str:
@@ -232,10 +254,13 @@ def _first_errors(exc: ValidationError, limit: int = 3) -> str:
     return "; ".join(parts)
 
 
-def parse_event(raw: bytes, key: str, webhook_id: str | None) -> Event:
+def parse_event(
+    raw: bytes, key: str, webhook_id: str | None, *, by_reference: bool = False
+) -> Event:
     """The event ``raw`` carries, checked against its key (and ``webhook-id``, when the
     transport has one). Raises :class:`ProblemError`: 400 when it is not a JSON object,
-    422 when it is one but not a valid event, or not the event its key names."""
+    422 when it is one but not a valid event, or not the event its key names. A result by
+    reference is accepted only where ``by_reference`` (its :attr:`Event.result` is None)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -251,6 +276,16 @@ def parse_event(raw: bytes, key: str, webhook_id: str | None) -> Event:
         raise key_mismatch(f"the body's operation_id is not the {IDEMPOTENCY_HEADER}")
     if webhook_id is not None and webhook_id != f"{key}:{body.destination}":
         raise key_mismatch(f"{WEBHOOK_ID_HEADER} is not '<operation_id>:<destination>' of the body")
+    if body.result_url is not None:
+        if not by_reference:
+            raise invalid_event("result_url: results by reference are not taken here")
+        if body.result_b64 is not None or body.result_size is None:
+            raise invalid_event("result_url comes with result_size and without result_b64")
+        return Event(body, fingerprint(raw), None)
+    if body.result_b64 is None:
+        raise invalid_event("result_b64: field required (or result_url and result_size)")
+    if body.result_size is not None:
+        raise invalid_event("result_size comes only with result_url")
     try:
         result = base64.b64decode(body.result_b64, validate=True)
     except (binascii.Error, ValueError):

@@ -27,6 +27,7 @@ queue consumer a consumed batch; each event's row and change still commit togeth
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import enum
 import json
@@ -139,6 +140,15 @@ UPDATE consumer_inbox SET outcome = 'refused' WHERE consumer = %s AND operation_
 """
 
 
+def _result_b64(event: Event) -> str:
+    # Checked against result_ref already: when parsed (inline) or when fetched (by reference).
+    if event.body.result_b64 is not None:
+        return event.body.result_b64
+    if event.result is None:
+        raise ValueError(f"{event.operation_id}: a result by reference is recorded once fetched")
+    return base64.b64encode(event.result).decode("ascii")
+
+
 def _params(consumer: str, via: str, events: Sequence[Event]) -> dict[str, Any]:
     rows = [
         {
@@ -149,7 +159,7 @@ def _params(consumer: str, via: str, events: Sequence[Event]) -> dict[str, Any]:
             "destination": e.body.destination,
             "result_ref": e.body.result_ref,
             "content_type": e.body.content_type,
-            "result": e.body.result_b64,  # checked against result_ref already
+            "result": _result_b64(e),
         }
         for e in events
     ]

@@ -11,7 +11,9 @@ is not a JSON object, 422 for one that is not a valid event or not the one its k
 ``webhook-id`` name. Then deduplication: a known key with the same body is answered 202 again
 (``Idempotent-Replayed: true``) and counted as a duplicate, with another body 422; a key another
 request of this process is still recording is answered 409; a new key is committed with its
-change, and only then answered 202. Nothing is logged of a body or a secret.
+change, and only then answered 202. A new key whose result came by reference (decision 015) is
+fetched first (:mod:`consumers.fetch`): 503 if it cannot be now, 422 if the bytes are not it.
+Nothing is logged of a body or a secret.
 
 202 means receipt: ``{"operation_id": ..., "delivery": "accepted"}`` says the delivery is
 recorded, never what the change did (``opledger_consumer_changes_total`` says that).
@@ -45,6 +47,7 @@ from consumers.contract import (
     unsupported_media_type,
 )
 from consumers.dedup import Decision
+from consumers.fetch import ResultFetcher
 from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
 from consumers.server import (
@@ -147,6 +150,8 @@ class Receiver:
         self._writers = writers
         self._inbox: Inbox | None = None
         self._writer: BatchWriter | None = None
+        self._fetcher = ResultFetcher(verifier.secrets)
+        self._fetches: set[asyncio.Task[None]] = set()
         self._in_flight: set[str] = set()
         self._responses: dict[tuple[int, str], Any] = {}
         self._latency = runtime.metrics.request_seconds.labels(runtime.name)
@@ -169,11 +174,16 @@ class Receiver:
         self._inbox = await self.runtime.open_inbox(self._writers + 1)
         self._writer = BatchWriter(self._inbox, "http", writers=self._writers)
         self._writer.start()
+        await self._fetcher.start()
         return await self._server.start(host, port)
 
     async def stop(self) -> None:
         """Stop listening, answer what is owed (5 s at most), then close the inbox."""
         await self._server.close(timeout=5.0)
+        for fetch in list(self._fetches):
+            fetch.cancel()
+        await asyncio.gather(*self._fetches, return_exceptions=True)
+        await self._fetcher.close()
         if self._writer is not None:
             await self._writer.stop()
             self._writer = None
@@ -212,7 +222,7 @@ class Receiver:
         key: str = request.state
         raw = request.body
         webhook_id = self._verifier.verify(request.headers, raw)
-        event = parse_event(raw, key, webhook_id)
+        event = parse_event(raw, key, webhook_id, by_reference=True)
 
         decision = self._dedup.known(event)
         if decision is not None:
@@ -222,8 +232,25 @@ class Receiver:
         assert self._writer is not None  # started before listening
         self._in_flight.add(key)
         answer = Deferred()
-        self._writer.submit(event, functools.partial(self._recorded, event, key, answer))
+        if event.result is None:  # by reference: fetched first, then recorded like any other
+            fetch = asyncio.ensure_future(self._fetch_then_record(event, key, answer))
+            self._fetches.add(fetch)
+            fetch.add_done_callback(self._fetches.discard)
+        else:
+            self._writer.submit(event, functools.partial(self._recorded, event, key, answer))
         return answer
+
+    async def _fetch_then_record(self, event: Event, key: str, answer: Deferred) -> None:
+        try:
+            fetched = await self._fetcher.fetch(event)
+        except BaseException as exc:  # cancelled at shutdown too: the key must not stay held
+            self._in_flight.discard(key)
+            answer.fail(exc if isinstance(exc, Exception) else not_ready("shutting down"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        assert self._writer is not None
+        self._writer.submit(fetched, functools.partial(self._recorded, fetched, key, answer))
 
     def _recorded(
         self, event: Event, key: str, answer: Deferred, outcome: Recorded | Exception

@@ -41,6 +41,8 @@ class SignatureVerifier:
         if not secrets:
             raise ValueError("at least one webhook secret is required")
         self._hooks = [Webhook(secret) for secret in secrets]
+        #: what the receiver signs its fetches of results by reference with (decision 015)
+        self.secrets = tuple(secrets)
         self._tolerance_s = tolerance_s
         self._clock = clock
 

@@ -1,0 +1,223 @@
+"""Results over the inline limit delivered by reference (decision 015), end to end with the real
+processes: ``opledger projector run``, ``opledger deliver run`` (which serves ``GET /results``)
+and ``opledger consumer run`` (which fetches it, checks it and applies it once). Then the
+endpoint is probed as an attacker would: unsigned, stale, another destination's or another
+tenant's signature."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from standardwebhooks import Webhook
+
+from ledger.destinations import DestinationStore, Kind
+from ledger.domain.ids import canonical_json
+from ledger.pg import open_pool
+from ledger.result_fetch import result_url, sign_fetch
+from ledger.settings import Settings
+from producers import TransitionRecorder
+from tests.process_support import ROOT, kill, start_cli, wait_http
+from tests.support import env_for, free_port, grant
+
+pytestmark = pytest.mark.integration
+
+SECRET = "whsec_" + base64.b64encode(b"by-reference-secret-012345").decode()
+OTHER_SECRET = "whsec_" + base64.b64encode(b"another-tenants-secret-0123").decode()
+TENANT = "acme"
+ACTOR = "agent-7"
+INLINE_MAX = 64 * 1024
+
+
+def _add(settings: Settings, tenant: str, name: str, url: str, secret: str) -> None:
+    with open_pool(settings.dsn, name="by-reference-destinations", max_size=1) as pool:
+        DestinationStore(pool).add(
+            tenant_id=tenant,
+            name=name,
+            kind=Kind.WEBHOOK,
+            target=url,
+            tools=["*"],
+            changed_by="test",
+            secret=secret,
+            timeout_ms=5000,
+        )
+
+
+def _states(settings: Settings) -> dict[str, str]:
+    with psycopg.connect(settings.dsn) as conn:
+        rows = conn.execute("SELECT operation_id, state FROM deliveries").fetchall()
+    return dict(rows)
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes, str]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read(), answer.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers.get("Content-Type", "")
+
+
+def _metric(port: int, name: str, label: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^{name}\{{outcome="{label}"\}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture
+def processes(isolated: Settings, tmp_path: Path) -> Iterator[tuple[Settings, dict[str, int]]]:
+    ports = {name: free_port() for name in ("projector", "delivery", "consumer")}
+    settings = isolated.with_(
+        consumer_pg_dsn=isolated.dsn,
+        consumer_secrets=SECRET,
+        delivery_web_port=ports["delivery"],
+        delivery_inline_max_bytes=INLINE_MAX,
+    )
+    env = env_for(
+        settings,
+        PYTHONPATH=str(ROOT),
+        OPLEDGER_PROJECTOR_WEB_PORT=str(ports["projector"]),
+        OPLEDGER_DELIVERY_WEB_PORT=str(ports["delivery"]),
+        OPLEDGER_DELIVERY_GROUP=f"{settings.topic_prefix}-delivery",
+        OPLEDGER_DELIVERY_SCHEDULE="500ms",
+        OPLEDGER_DELIVERY_INLINE_MAX_BYTES=str(INLINE_MAX),
+        OPLEDGER_CONSUMER_PG_DSN=settings.dsn,
+        OPLEDGER_CONSUMER_SECRETS=SECRET,
+        OPLEDGER_CONSUMER_WEB_PORT=str(ports["consumer"]),
+    )
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, argv in (
+            ("projector", ["projector", "run"]),
+            ("consumer", ["consumer", "run"]),
+            ("delivery", ["deliver", "run"]),
+        ):
+            started.append(start_cli(argv, env, tmp_path / f"{name}.log"))
+            wait_http(f"http://127.0.0.1:{ports[name]}/healthz")
+        yield settings, ports
+    finally:
+        for process in started:
+            kill(process)
+
+
+def test_a_large_result_is_fetched_by_the_receiver_checked_and_applied_once(
+    processes: tuple[Settings, dict[str, int]],
+) -> None:
+    settings, ports = processes
+    grant(settings, TENANT, actor=ACTOR, tool="render_report", destinations=("reference",))
+    _add(settings, TENANT, "reference", f"http://127.0.0.1:{ports['consumer']}/events", SECRET)
+    large = os.urandom(INLINE_MAX) * 5 + b"tail"  # 320 KiB and a bit: over the inline limit
+    small = b'{"pages": 1}'
+    with TransitionRecorder.connect(settings, owner="by-reference-test") as service:
+        ops = {}
+        for label, result, content_type in (
+            ("large", large, "application/pdf"),
+            ("small", small, "application/json"),
+        ):
+            op = service.intent(TENANT, ACTOR, "render_report", {"which": label})
+            service.dispatched(op, provider_ref=op.operation_id)
+            service.succeeded(op, result, content_type=content_type)
+            ops[label] = op.operation_id
+    deadline = time.monotonic() + 90
+    while {_states(settings).get(op) for op in ops.values()} != {"ACKED"}:
+        assert time.monotonic() < deadline, f"not both ACKED: {_states(settings)}"
+        time.sleep(0.3)
+
+    with psycopg.connect(settings.dsn) as conn:
+        applied = dict(
+            conn.execute(
+                "SELECT operation_id, result_bytes FROM consumer_applied_changes "
+                "WHERE operation_id = ANY(%s)",
+                (list(ops.values()),),
+            ).fetchall()
+        )
+        stored = conn.execute(
+            "SELECT result_ref FROM deliveries WHERE operation_id = %s", (ops["large"],)
+        ).fetchone()
+    assert applied == {ops["large"]: len(large), ops["small"]: len(small)}
+    assert stored == ("sha256:" + hashlib.sha256(large).hexdigest(),)
+    # Only the large one went by reference, and the receiver fetched it once.
+    assert _metric(ports["delivery"], "opledger_delivery_result_fetches_total", "served") == 1
+
+    url = result_url(settings.results_base_url, TENANT, "reference", ops["large"])
+    now = datetime.now(UTC)
+    signed = sign_fetch([SECRET], TENANT, "reference", ops["large"], now)
+    status, body, content_type = _get(url, signed)
+    assert (status, body, content_type) == (200, large, "application/pdf")
+
+    # Unsigned, stale, or signed with a secret that is not this destination's: 401.
+    assert _get(url, {})[0] == 401
+    stale = sign_fetch([SECRET], TENANT, "reference", ops["large"], now - timedelta(minutes=6))
+    assert _get(url, stale)[0] == 401
+    assert _get(url, sign_fetch([OTHER_SECRET], TENANT, "reference", ops["large"], now))[0] == 401
+    # A destination that does not exist answers like a bad signature: nothing to learn.
+    ghost = result_url(settings.results_base_url, TENANT, "ghost", ops["large"])
+    assert _get(ghost, sign_fetch([SECRET], TENANT, "ghost", ops["large"], now))[0] == 401
+
+    # Another destination of the same tenant, correctly signed, was not delivered this result.
+    _add(settings, TENANT, "billing", "http://127.0.0.1:9/events", SECRET)
+    billing = result_url(settings.results_base_url, TENANT, "billing", ops["large"])
+    assert _get(billing, sign_fetch([SECRET], TENANT, "billing", ops["large"], now))[0] == 404
+    # Another tenant with a destination of the same name and its own secret: not its result.
+    _add(settings, "globex", "reference", "http://127.0.0.1:9/events", OTHER_SECRET)
+    theirs = result_url(settings.results_base_url, "globex", "reference", ops["large"])
+    probe = sign_fetch([OTHER_SECRET], "globex", "reference", ops["large"], now)
+    status, body, content_type = _get(theirs, probe)
+    assert status == 404 and large[:64] not in body
+    assert content_type.startswith("application/problem+json")
+    # A receiver rotating its secret signs with both; the one the ledger holds matches.
+    rotating = sign_fetch([OTHER_SECRET, SECRET], TENANT, "reference", ops["large"], now)
+    assert _get(url, rotating)[0] == 200
+    assert _get(url.replace("tenant=acme", "tenant=%00"), signed)[0] == 400
+
+    # The receiver's side: a reference it cannot fetch now is refused for now (503, the sender
+    # retries), one naming another result is refused for good (422); neither is applied.
+    for base, other_op, status in (
+        ("http://127.0.0.1:9", None, 503),
+        (settings.results_base_url, ops["small"], 422),
+    ):
+        op_id = "op_01JD8Z8Z8Z8Z8Z8Z8Z8Z8Z8Z8" + str(status)[0]
+        body = canonical_json(
+            {
+                "operation_id": op_id,
+                "tenant_id": TENANT,
+                "tool_name": "render_report",
+                "destination": "reference",
+                "result_ref": "sha256:" + hashlib.sha256(large).hexdigest(),
+                "content_type": "application/pdf",
+                "result_url": result_url(base, TENANT, "reference", other_op or op_id),
+                "result_size": len(large),
+            }
+        )
+        headers = {"Content-Type": "application/json", "Idempotency-Key": op_id}
+        headers.update(
+            {
+                "webhook-id": f"{op_id}:reference",
+                "webhook-timestamp": str(int(now.timestamp())),
+                "webhook-signature": Webhook(SECRET).sign(f"{op_id}:reference", now, body.decode()),
+            }
+        )
+        post = urllib.request.Request(
+            f"http://127.0.0.1:{ports['consumer']}/events", data=body, headers=headers
+        )
+        try:
+            with urllib.request.urlopen(post, timeout=30) as answer:
+                got = answer.status
+        except urllib.error.HTTPError as exc:
+            got = exc.code
+        assert got == status, body
+    with psycopg.connect(settings.dsn) as conn:
+        count = conn.execute("SELECT count(*) FROM consumer_applied_changes").fetchone()
+    assert count == (2,)
