@@ -22,6 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from ledger.destinations import DestinationStore
 from ledger.domain.ids import OPERATION_ID_RE
+from ledger.faults import fault_point
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.result_fetch import fetch_signed
 from ledger.results import ResultStore
@@ -105,4 +106,5 @@ class ResultEndpoint:
         )
         if stored is None:
             return _problem(404, "not-found", "no result delivered to this destination")
+        fault_point("deliver.result_read_before_answer")
         return Answer(200, stored.payload, stored.content_type, "served")

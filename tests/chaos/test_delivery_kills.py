@@ -251,3 +251,47 @@ def test_killed_after_the_send_before_the_ack_the_consumer_applies_once_and_coun
         ("ACKED", 2),
     ]
     assert "never recorded" in (steps[2][2] or "")
+
+
+@pytest.mark.chaos
+def test_a_worker_killed_while_serving_a_result_by_reference_still_delivers_it_once(
+    isolated: Settings, tmp_path: Path
+) -> None:
+    settings = isolated.with_(consumer_pg_dsn=isolated.dsn, consumer_secrets=SECRET)
+    grant(settings, TENANT, actor=ACTOR, tool="render_report", destinations=("reference",))
+    consumer_port = free_port()
+    result = bytes(range(256)) * 400  # 100 KiB, over the 1 KiB limit set below
+    with _rig(settings, tmp_path) as rig:
+        rig.env.update(
+            OPLEDGER_CONSUMER_PG_DSN=settings.dsn,
+            OPLEDGER_CONSUMER_SECRETS=SECRET,
+            OPLEDGER_CONSUMER_WEB_PORT=str(consumer_port),
+            OPLEDGER_DELIVERY_INLINE_MAX_BYTES="1024",
+        )
+        rig.start("consumer", "consumer", "run")
+        wait_http(f"http://127.0.0.1:{consumer_port}/healthz")
+        rig.destination("reference", f"http://127.0.0.1:{consumer_port}/events", ["*"])
+        with TransitionRecorder.connect(settings, owner="chaos-service") as service:
+            op = service.intent(TENANT, ACTOR, "render_report", {"at": time.time_ns()})
+            service.dispatched(op, provider_ref=op.operation_id)
+            service.succeeded(op, result, content_type="application/octet-stream")
+        # The receiver asks the worker for the result; the worker dies reading it out.
+        _killed(rig.deliver(fault="deliver.result_read_before_answer:kill"))
+
+        def applied() -> list[tuple[int]]:
+            with psycopg.connect(settings.dsn) as conn:
+                return conn.execute(
+                    "SELECT result_bytes FROM consumer_applied_changes WHERE operation_id = %s",
+                    (op.operation_id,),
+                ).fetchall()
+
+        assert applied() == [], "nothing is applied without the result"
+        rig.deliver()
+        rig.wait(
+            lambda: rig.deliveries().get((op.operation_id, "reference"), ("",))[0] == "ACKED",
+            "the delivery re-sent, its result fetched from the new worker, acknowledged",
+        )
+        time.sleep(1)
+        duplicates = _metric(consumer_port, "opledger_consumer_duplicate_keys_total")
+    assert applied() == [(len(result),)], "applied once, with the whole result"
+    assert duplicates == 0, "the first send was never accepted: nothing to count twice"
