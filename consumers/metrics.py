@@ -31,6 +31,7 @@ class ConsumerMetrics:
     unpublished_keys: Gauge
     republished: Counter
     publish_failures: Counter
+    result_fetches: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ConsumerMetrics:
@@ -60,6 +61,13 @@ class ConsumerMetrics:
                 "Keys received again with the same body and not applied again, by transport and "
                 "where the key was found (view: restored key store or this instance; inbox).",
                 ["consumer", "via", "seen_in"],
+                registry=registry,
+            ),
+            result_fetches=Counter(
+                "opledger_consumer_result_fetches_total",
+                "Results delivered by reference that the receiver fetched, by outcome: fetched "
+                "(size and sha256 checked), unavailable (503 to the sender), refused (422).",
+                ["consumer", "outcome"],
                 registry=registry,
             ),
             key_conflicts=Counter(

@@ -37,6 +37,7 @@ from consumers.contract import (
     IDEMPOTENCY_HEADER,
     MAX_BODY_BYTES,
     Event,
+    ProblemError,
     accepted_document,
     in_progress,
     key_reused,
@@ -241,6 +242,7 @@ class Receiver:
         return answer
 
     async def _fetch_then_record(self, event: Event, key: str, answer: Deferred) -> None:
+        fetches = self._metrics.result_fetches
         try:
             fetched = await self._fetcher.fetch(event)
         except BaseException as exc:  # cancelled at shutdown too: the key must not stay held
@@ -248,7 +250,10 @@ class Receiver:
             answer.fail(exc if isinstance(exc, Exception) else not_ready("shutting down"))
             if not isinstance(exc, Exception):
                 raise
+            refused = isinstance(exc, ProblemError) and exc.problem.status == 422
+            fetches.labels(self._name, "refused" if refused else "unavailable").inc()
             return
+        fetches.labels(self._name, "fetched").inc()
         assert self._writer is not None
         self._writer.submit(fetched, functools.partial(self._recorded, fetched, key, answer))
 

@@ -92,6 +92,7 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
     )
     before = control.stats()
     duplicates_before = _consumer_duplicates(settings)
+    fetched_before = _consumer_fetched(settings)
     queue = _start_queue_consumer(settings, topic, log_dir)
     plan = make_plan(args.operations, args.seed, secrets.randbits(32))
     try:
@@ -129,7 +130,7 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
         after=control.stats(),
         duplicates=max(0.0, _consumer_duplicates(settings) - duplicates_before),
         settled_s=settled_s,
-        failed=failures(observed),
+        failed=failures(observed, fetched=_consumer_fetched(settings) - fetched_before),
     )
 
 
@@ -170,14 +171,29 @@ def _consumer_secret(settings: Settings) -> str:
 
 def _consumer_duplicates(settings: Settings) -> float:
     """Repeats the reference consumer recognised and did not apply (its own counter)."""
+    return _consumer_counter(settings, "opledger_consumer_duplicate_keys_total", "")
+
+
+def _consumer_fetched(settings: Settings) -> int:
+    """Results delivered by reference the reference consumer fetched and checked."""
+    fetched = _consumer_counter(settings, "opledger_consumer_result_fetches_total", "fetched")
+    return int(fetched)
+
+
+def _consumer_counter(settings: Settings, name: str, outcome: str) -> float:
     url = f"http://127.0.0.1:{settings.consumer_web_port}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=2.0) as response:  # a fixed local URL
             text = response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError):
         return 0.0
-    pattern = re.compile(r"^opledger_consumer_duplicate_keys_total(?:\{.*\})? (\S+)$")
-    return sum(float(m.group(1)) for line in text.splitlines() if (m := pattern.match(line)))
+    pattern = re.compile(rf"^{name}(?:\{{(.*)\}})? (\S+)$")
+    return sum(
+        float(m.group(2))
+        for line in text.splitlines()
+        if (m := pattern.match(line))
+        and (not outcome or f'outcome="{outcome}"' in (m.group(1) or ""))
+    )
 
 
 def _start_queue_consumer(settings: Settings, topic: str, log_dir: Path) -> subprocess.Popen[bytes]:

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from ledger.settings import Settings
-from opledger.demo.plan import TENANTS, Call, routed
+from opledger.demo.plan import TENANTS, WEBHOOK, Call, routed
 from opledger.fakes.model import KeyStats
 
 FINAL = frozenset({"SUCCEEDED", "FAILED"})
@@ -62,10 +62,18 @@ SELECT kind, count(*)
 #: The consumers' own record of what they applied (one row per applied change, by design not
 #: unique: a duplicate the inbox let through would show here as a second row).
 _APPLIED_SQL = """
-SELECT consumer, operation_id, count(*)
+SELECT consumer, operation_id, count(*), max(result_bytes)
   FROM consumer_applied_changes
  WHERE operation_id = ANY(%(ops)s)
  GROUP BY 1, 2
+"""
+#: Results over the inline limit: their webhook deliveries went by reference (decision 015).
+_LARGE_RESULTS_SQL = """
+SELECT o.operation_id, octet_length(r.payload)
+  FROM agent_operations o
+  JOIN results r ON r.tenant_id = o.tenant_id AND r.result_ref = o.result_ref
+ WHERE o.tenant_id = ANY(%(tenants)s) AND o.operation_id = ANY(%(ops)s)
+   AND octet_length(r.payload) > %(inline_max)s
 """
 
 
@@ -132,6 +140,10 @@ class Observed:
     outcomes: Mapping[tuple[str, str], int] = field(default_factory=dict)
     went_unknown: int = 0
     anomalies: Mapping[str, int] = field(default_factory=dict)
+    #: operation id -> the size of its stored result, for results over the inline limit
+    large_results: Mapping[str, int] = field(default_factory=dict)
+    #: (consumer, operation id) -> the size of the result the consumer applied
+    applied_bytes: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def new_attempts(self) -> Counter[str]:
         """Calls reconciliation allowed beyond the first, per operation."""
@@ -145,6 +157,18 @@ class Observed:
 
     def max_applied(self) -> int:
         return max(self.applied.values(), default=0)
+
+    def by_reference(self) -> list[tuple[str, str]]:
+        """(consumer, operation id) of every acknowledged webhook delivery of a large result:
+        the ones that went by reference."""
+        return sorted(
+            (consumer, d.operation_id)
+            for d in self.deliveries
+            if d.state == "ACKED"
+            and d.destination == WEBHOOK
+            and d.operation_id in self.large_results
+            and (consumer := self.consumers.get(d.destination)) is not None
+        )
 
 
 def unsettled(observed: Observed) -> list[str]:
@@ -171,7 +195,7 @@ def unsettled(observed: Observed) -> list[str]:
     return waiting
 
 
-def failures(observed: Observed) -> list[str]:
+def failures(observed: Observed, *, fetched: int | None = None) -> list[str]:
     """Every invariant the run broke, one line each (empty: all held).
 
     - at most one side effect per operation, as the provider counted it (a non-idempotent tool
@@ -181,7 +205,9 @@ def failures(observed: Observed) -> list[str]:
     - at most one applied change per operation at each consumer, and every acknowledged
       delivery applied;
     - no operation lost or left unfinished, no delivery left open; the projections agree with
-      the provider (SUCCEEDED: one side effect, FAILED: none).
+      the provider (SUCCEEDED: one side effect, FAILED: none);
+    - every result over the inline limit delivered to a webhook went by reference (the consumer
+      counted at least that many ``fetched``) and was applied whole.
     """
     found: list[str] = []
     for op in observed.announced:
@@ -198,6 +224,13 @@ def failures(observed: Observed) -> list[str]:
             found.append(f"{op}: consumer {consumer} applied it {applied} times")
     for consumer, op in _unapplied(observed):
         found.append(f"{op}: delivery acknowledged, but consumer {consumer} never applied it")
+    found.extend(truncated(observed))
+    by_reference = len(observed.by_reference())
+    if fetched is not None and fetched < by_reference:
+        found.append(
+            f"{by_reference} results were over the inline limit, but the consumer fetched only "
+            f"{fetched} by reference: the others were not delivered by reference"
+        )
     lost = _lost(observed)
     if lost:
         found.append(f"{len(lost)} operations lost: announced, never projected ({_some(lost)})")
@@ -215,6 +248,17 @@ def failures(observed: Observed) -> list[str]:
     if observed.behind:
         found.append(f"the projector is still {observed.behind} records behind")
     return found
+
+
+def truncated(observed: Observed) -> list[str]:
+    """Results delivered by reference that a consumer applied with another size than stored."""
+    return [
+        f"{op}: consumer {consumer} applied {observed.applied_bytes[(consumer, op)]} bytes of a "
+        f"{observed.large_results[op]}-byte result delivered by reference"
+        for consumer, op in observed.by_reference()
+        if (consumer, op) in observed.applied_bytes
+        and observed.applied_bytes[(consumer, op)] != observed.large_results[op]
+    ]
 
 
 def excess_calls(observed: Observed) -> list[str]:
@@ -292,7 +336,11 @@ def read(
 ) -> Observed:
     """The projections and the consumers' tables for ``announced``, with the given outside
     counts (the caller fetches the provider's stats and the projector's lag)."""
-    params: dict[str, Any] = {"tenants": list(TENANTS), "ops": list(announced)}
+    params: dict[str, Any] = {
+        "tenants": list(TENANTS),
+        "ops": list(announced),
+        "inline_max": settings.delivery_inline_max_bytes,
+    }
     with psycopg.connect(
         settings.dsn, autocommit=True, connect_timeout=5, application_name="opledger-demo"
     ) as conn:
@@ -303,22 +351,27 @@ def read(
         outcomes = {(m, o): n for m, o, n in conn.execute(_OUTCOMES_SQL, params).fetchall()}
         unknown_row = conn.execute(_WENT_UNKNOWN_SQL, params).fetchone()
         anomalies: dict[str, int] = dict(conn.execute(_ANOMALIES_SQL, params).fetchall())
+        large: dict[str, int] = dict(conn.execute(_LARGE_RESULTS_SQL, params).fetchall())
+    applied = read_applied(settings, list(announced))
     return Observed(
         announced=announced,
         ops=ops,
         deliveries=deliveries,
         decisions=decisions,
         provider={op: provider[op] for op in announced if op in provider},
-        applied=read_applied(settings, list(announced)),
+        applied={key: count for key, (count, _size) in applied.items()},
         consumers=consumers,
         behind=behind,
         outcomes=outcomes,
         went_unknown=int(unknown_row[0]) if unknown_row else 0,
         anomalies=anomalies,
+        large_results=large,
+        applied_bytes={key: size for key, (_count, size) in applied.items()},
     )
 
 
-def read_applied(settings: Settings, ops: list[str]) -> dict[tuple[str, str], int]:
+def read_applied(settings: Settings, ops: list[str]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(consumer, operation id) -> (changes applied, the largest result applied)."""
     try:
         with psycopg.connect(
             settings.consumer_dsn,
@@ -329,4 +382,4 @@ def read_applied(settings: Settings, ops: list[str]) -> dict[tuple[str, str], in
             rows = conn.execute(_APPLIED_SQL, {"ops": ops}).fetchall()
     except psycopg.errors.UndefinedTable:
         return {}  # no consumer has started yet: nothing applied
-    return {(consumer, op): n for consumer, op, n in rows}
+    return {(consumer, op): (n, size) for consumer, op, n, size in rows}

@@ -72,10 +72,12 @@ class ToolMix:
     lose_response_rate: float = 0.0
     lookup_unavailable_rate: float = 0.0
     latency_ms: float = 0.0
+    attachment_rate: float = 0.0
 
 
 PROVIDER_MIX: Mapping[str, ToolMix] = {
-    "send_email": ToolMix(fail_rate=0.08, lose_response_rate=0.06),
+    # One in ten carries a 600 KiB attachment: delivered by reference (decision 015).
+    "send_email": ToolMix(fail_rate=0.08, lose_response_rate=0.06, attachment_rate=0.1),
     # The slow one: every call and lookup takes 400 ms, well inside the 5 s call timeout.
     "create_invoice": ToolMix(fail_rate=0.05, lose_response_rate=0.05, latency_ms=400),
     # Its lookups are sometimes unavailable: reconciliation asks again later, never calls.

@@ -20,6 +20,7 @@ from opledger.demo.observe import (
     disagreements,
     excess_calls,
     lost_or_unfinished,
+    truncated,
 )
 from opledger.demo.plan import QUEUE, QUEUE_CONSUMER, TENANTS, WEBHOOK
 from opledger.demo.run import RunReport
@@ -114,6 +115,13 @@ def render(
     )
     console.print(
         f"[bold]max applied changes per operation at a consumer: {observed.max_applied()}[/]"
+    )
+    by_reference = observed.by_reference()
+    whole = len(by_reference) - len(truncated(observed))
+    console.print(
+        f"[bold]results over {settings.delivery_inline_max_bytes // 1024} KiB delivered by "
+        f"reference: {len(by_reference)}, applied whole: {whole}[/] (the consumer fetched each "
+        "from the delivery workers and checked its size and sha256)"
     )
     console.print(
         f"[bold]operations lost or unfinished: {unfinished} of {len(observed.announced)}[/]"

@@ -52,6 +52,7 @@ def configure_provider(control: FakeProviderControl, seed: int) -> None:
             lookup_unavailable_rate=mix.lookup_unavailable_rate,
             latency_ms=mix.latency_ms,
             seed=seed * 100 + number,
+            attachment_rate=mix.attachment_rate,
         )
 
 

@@ -426,6 +426,7 @@ class FakeProviderControl:
         lookup_unavailable_rate: float | None = None,
         latency_ms: float | None = None,
         seed: int | None = None,
+        attachment_rate: float | None = None,
     ) -> dict[str, Any]:
         """Change the given settings of ``tool``; returns its whole configuration."""
         given = {
@@ -435,6 +436,7 @@ class FakeProviderControl:
             "lookup_unavailable_rate": lookup_unavailable_rate,
             "latency_ms": latency_ms,
             "seed": seed,
+            "attachment_rate": attachment_rate,
         }
         body = {"tool": tool} | {k: v for k, v in given.items() if v is not None}
         config: dict[str, Any] = self._send("POST", "configure", body)["config"]

@@ -85,9 +85,17 @@ class ToolConfig:
     latency_ms: float = 0.0
     #: seeds the tool's generators, so the drawn outcomes repeat run after run
     seed: int = 0
+    #: share of effects whose result carries a rendered attachment of ATTACHMENT_BYTES (chosen
+    #: by the idempotency key, so every answer for one key is the same result)
+    attachment_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fail_rate", "lose_response_rate", "lookup_unavailable_rate"):
+        for name in (
+            "fail_rate",
+            "lose_response_rate",
+            "lookup_unavailable_rate",
+            "attachment_rate",
+        ):
             rate = getattr(self, name)
             if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
                 raise FakeProviderError(f"{name} must be between 0 and 1: {rate!r}")

@@ -13,6 +13,7 @@ an asyncio server and threads. Every method is thread-safe.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from collections import deque
@@ -34,6 +35,19 @@ from opledger.fakes.model import (
     check_key,
     check_tool,
 )
+
+#: What a result with an attachment carries: over the delivery workers' 512 KiB inline limit,
+#: so its webhook deliveries go by reference (decision 015).
+ATTACHMENT_BYTES = 600 * 1024
+ATTACHMENT = ("A rendered copy of the message, attachments included. " * 20_000)[:ATTACHMENT_BYTES]
+
+
+def _attached(key: str, rate: float) -> bool:
+    # From the key, not a generator: the draws of outcomes stay what they were without it.
+    if rate <= 0:
+        return False
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < rate * 2**64
 
 
 class CallKind(StrEnum):
@@ -251,12 +265,14 @@ class ProviderState:
                 state.effects += 1
                 state.counts[plan.key].side_effects += 1
                 ref = f"pr_{plan.tool}_{state.effects}"
-                result = {
+                result: dict[str, Any] = {
                     "tool": plan.tool,
                     "idempotency_key": plan.key,
                     "side_effect": state.effects,
                     "status": "done",
                 }
+                if _attached(plan.key, state.config.attachment_rate):
+                    result["attachment"] = ATTACHMENT
                 outcome = Outcome(True, ref, result=result)
                 if plan.step.action is Action.LOSE_RESPONSE:
                     state.lost_responses += 1

@@ -4,6 +4,7 @@ when the counts are clean. And its plan puts each crash's victim where the crash
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -97,6 +98,23 @@ def test_a_lost_operation_and_a_disagreement_with_the_provider_fail() -> None:
     disagreement = "SUCCEEDED in the projection, but the provider performed its side effect 0"
     assert f"{OP_EMAIL}: {disagreement} times" in found
     assert any(line.startswith("1 operations lost") for line in found), found
+
+
+def test_a_result_by_reference_applied_short_or_never_fetched_fails() -> None:
+    size = 600 * 1024
+    whole = replace(
+        _observed(CLEAN),
+        large_results={OP_EMAIL: size},
+        applied_bytes={("reference", OP_EMAIL): size},
+    )
+    assert failures(whole, fetched=1) == []
+    short = replace(whole, applied_bytes={("reference", OP_EMAIL): size - 1})
+    assert failures(short, fetched=1) == [
+        f"{OP_EMAIL}: consumer reference applied {size - 1} bytes of a {size}-byte result "
+        "delivered by reference"
+    ]
+    # Applied whole, but the consumer fetched nothing: it came inline, not by reference.
+    assert any("fetched only 0 by reference" in line for line in failures(whole, fetched=0))
 
 
 def test_the_summary_shows_the_provider_count_and_the_violation() -> None:
