@@ -6,6 +6,7 @@ Defaults make every event valid; a test overrides only the fields it is about.
 from __future__ import annotations
 
 import itertools
+import operator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -150,7 +151,13 @@ def not_secret(text: str) -> bool:
 # --- hypothesis strategies -------------------------------------------------------------------
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-ulids = st.text(_CROCKFORD, min_size=26, max_size=26).filter(lambda s: s[0] <= "7")
+# A ULID's first character is 0-7 (48 bits of time). Drawn so, not filtered: a filter passing
+# 1 draw in 4 made Hypothesis give up on most generated edge-test plans.
+ulids = st.builds(
+    operator.add,
+    st.sampled_from(_CROCKFORD[:8]),
+    st.text(_CROCKFORD, min_size=25, max_size=25),
+)
 operation_ids = ulids.map(lambda u: f"op_{u}")
 event_ids = ulids.map(lambda u: f"ev_{u}")
 sha_refs = st.binary(max_size=64).map(content_ref)
