@@ -221,3 +221,11 @@ def test_a_large_result_is_fetched_by_the_receiver_checked_and_applied_once(
     with psycopg.connect(settings.dsn) as conn:
         count = conn.execute("SELECT count(*) FROM consumer_applied_changes").fetchone()
     assert count == (2,)
+
+    # A disabled destination, correctly signed, is told so (403) and gets nothing.
+    with open_pool(settings.dsn, name="by-reference-disable", max_size=1) as pool:
+        DestinationStore(pool).set_enabled(
+            TENANT, "reference", enabled=False, changed_by="test", reason="probe"
+        )
+    status, body, _type = _get(url, sign_fetch([SECRET], TENANT, "reference", ops["large"], now))
+    assert status == 403 and large[:64] not in body

@@ -11,8 +11,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from consumers.contract import ProblemError, parse_event
+from ledger.pg import DatabaseUnavailableError
 from ledger.result_fetch import fetch_signed, fetch_target, result_url, sign_fetch
 from processors.delivery.payload import Delivery
+from processors.delivery.result_endpoint import ResultEndpoint
 
 SECRET = "whsec_" + base64.b64encode(b"unit-by-reference-secret-01").decode()
 OTHER = "whsec_" + base64.b64encode(b"unit-another-secret-0123456").decode()
@@ -116,3 +118,18 @@ def test_a_fetch_signature_answers_for_one_operation_destination_and_tenant() ->
 def test_the_signed_target_quotes_what_a_url_would_misread() -> None:
     target = fetch_target("acme", "team/crm:eu@x", OP)
     assert target == f"/results/{OP}?tenant=acme&destination=team%2Fcrm%3Aeu%40x"
+
+
+class _DatabaseDown:
+    """A destination store whose database does not answer (the edge's own error)."""
+
+    def get_many(self, keys: object) -> dict[object, object]:
+        raise DatabaseUnavailableError("the database does not answer")
+
+
+def test_the_endpoint_answers_503_while_the_database_does_not_answer() -> None:
+    endpoint = ResultEndpoint(None, _DatabaseDown(), None)  # type: ignore[arg-type]
+    headers = sign_fetch([SECRET], "acme", "crm", OP, datetime.now(UTC))
+    answer = endpoint.fetch(OP, {"tenant": "acme", "destination": "crm"}, headers)
+    assert (answer.status, answer.content_type) == (503, "application/problem+json")
+    assert endpoint.fetch("op_x", {"tenant": "acme", "destination": "crm"}, headers).status == 400
