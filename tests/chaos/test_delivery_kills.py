@@ -64,6 +64,18 @@ class Rig:
                 timeout_ms=1000,
             )
 
+    def reference_consumer(self, port: int, tools: list[str]) -> None:
+        """Start ``opledger consumer run`` on ``port`` (its inbox in the test's database) and
+        make it the tenant's destination ``reference`` for ``tools``."""
+        self.env.update(
+            OPLEDGER_CONSUMER_PG_DSN=self.settings.dsn,
+            OPLEDGER_CONSUMER_SECRETS=SECRET,
+            OPLEDGER_CONSUMER_WEB_PORT=str(port),
+        )
+        self.start("consumer", "consumer", "run")
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        self.destination("reference", f"http://127.0.0.1:{port}/events", tools)
+
     def deliveries(self) -> dict[tuple[str, str], tuple[str, int]]:
         with psycopg.connect(self.settings.dsn) as conn:
             rows = conn.execute(
@@ -209,14 +221,7 @@ def test_killed_after_the_send_before_the_ack_the_consumer_applies_once_and_coun
     grant(settings, TENANT, actor=ACTOR, tool="send_email", destinations=("reference",))
     consumer_port = free_port()
     with _rig(settings, tmp_path) as rig:
-        rig.env.update(
-            OPLEDGER_CONSUMER_PG_DSN=settings.dsn,
-            OPLEDGER_CONSUMER_SECRETS=SECRET,
-            OPLEDGER_CONSUMER_WEB_PORT=str(consumer_port),
-        )
-        rig.start("consumer", "consumer", "run")
-        wait_http(f"http://127.0.0.1:{consumer_port}/healthz")
-        rig.destination("reference", f"http://127.0.0.1:{consumer_port}/events", ["send_email"])
+        rig.reference_consumer(consumer_port, ["send_email"])
         (op_id,) = _succeeded(settings, 1)
         _killed(rig.deliver(fault="deliver.after_send_before_ack:kill"))
         # SENT was appended (acknowledged by the broker) before the send; the projector may
@@ -262,15 +267,8 @@ def test_a_worker_killed_while_serving_a_result_by_reference_still_delivers_it_o
     consumer_port = free_port()
     result = bytes(range(256)) * 400  # 100 KiB, over the 1 KiB limit set below
     with _rig(settings, tmp_path) as rig:
-        rig.env.update(
-            OPLEDGER_CONSUMER_PG_DSN=settings.dsn,
-            OPLEDGER_CONSUMER_SECRETS=SECRET,
-            OPLEDGER_CONSUMER_WEB_PORT=str(consumer_port),
-            OPLEDGER_DELIVERY_INLINE_MAX_BYTES="1024",
-        )
-        rig.start("consumer", "consumer", "run")
-        wait_http(f"http://127.0.0.1:{consumer_port}/healthz")
-        rig.destination("reference", f"http://127.0.0.1:{consumer_port}/events", ["*"])
+        rig.env.update(OPLEDGER_DELIVERY_INLINE_MAX_BYTES="1024")
+        rig.reference_consumer(consumer_port, ["*"])
         with TransitionRecorder.connect(settings, owner="chaos-service") as service:
             op = service.intent(TENANT, ACTOR, "render_report", {"at": time.time_ns()})
             service.dispatched(op, provider_ref=op.operation_id)
