@@ -65,8 +65,9 @@ class ConsumerMetrics:
             ),
             result_fetches=Counter(
                 "opledger_consumer_result_fetches_total",
-                "Results delivered by reference that the receiver fetched, by outcome: fetched "
-                "(size and sha256 checked), unavailable (503 to the sender), refused (422).",
+                "Fetches of results delivered by reference, by outcome: fetched (size and "
+                "sha256 checked), unavailable (the receiver answers 503, the queue consumer "
+                "tries again), refused (422; the queue consumer skips the record).",
                 ["consumer", "outcome"],
                 registry=registry,
             ),

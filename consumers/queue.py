@@ -10,6 +10,16 @@ only after every record of it was committed to the inbox (or refused). A crash i
 Kafka redeliver records whose keys the inbox (or the view) already holds: they are counted as
 duplicates and not applied again. A record that is not a valid event is logged with its
 coordinates (never its value), counted, and skipped: nothing a topic holds stops the consumer.
+
+A result too large for a record comes by reference (decision 016): the consumer fetches it with
+a ``GET`` signed with the queue destination's fetch secret, before recording, exactly as the
+receiver does. The record was acknowledged to the ledger when it was appended, so nobody will
+send it again: when a fetch cannot be made now, nothing of its batch is recorded or committed,
+the consumer seeks back to the batch's first records and reads them again after a backoff,
+until the fetch is made. A database that does not answer is waited out the same way (each
+attempt is short, so a long outage does not cost the consumer its group membership). Bytes
+that are not the result are refused and skipped like any invalid record: fetching them again
+would give the same bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +28,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from consumers.contract import (
     IDEMPOTENCY_HEADER,
@@ -29,12 +40,14 @@ from consumers.contract import (
     Event,
     ProblemError,
     body_too_large,
+    invalid_event,
     key_mismatch,
     malformed_body,
     parse_event,
     parse_idempotency_key,
 )
 from consumers.dedup import Decision
+from consumers.fetch import ResultFetcher
 from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
 from ledger.faults import fault_point
@@ -42,6 +55,12 @@ from ledger.kafka import consumer_config
 from ledger.pg import DatabaseUnavailableError
 
 log = logging.getLogger("opledger.consumer.queue")
+
+#: The wait before a batch that could not be finished is read again, doubling up to the
+#: maximum. Each attempt is short (a fetch's or a connection's timeout plus this), far inside
+#: max.poll.interval.ms: an outage of any length does not cost the consumer its group.
+FIRST_RETRY_DELAY_S = 0.1
+MAX_RETRY_DELAY_S = 5.0
 
 
 def _headers(message: Any) -> dict[str, list[str]]:
@@ -66,6 +85,8 @@ class QueueConsumer:
         *,
         group_id: str | None = None,
         batch: int = 500,
+        fetch_secrets: Sequence[str] = (),
+        kafka_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -76,6 +97,12 @@ class QueueConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: Inbox | None = None
         self._metric = runtime.metrics.queue_records
+        self._fetches = runtime.metrics.result_fetches
+        #: None without a fetch secret: results by reference are then refused (and logged)
+        self._fetcher = ResultFetcher(fetch_secrets) if fetch_secrets else None
+        self._retry_delay = FIRST_RETRY_DELAY_S
+        #: librdkafka settings over the defaults below (``max.poll.interval.ms``, say)
+        self._kafka_config = dict(kafka_config or {})
 
     def stop(self) -> None:
         self._stop.set()
@@ -86,6 +113,8 @@ class QueueConsumer:
             self.runtime.start()
         self._loop = asyncio.new_event_loop()
         self._inbox = self._loop.run_until_complete(self.runtime.open_inbox(1))
+        if self._fetcher is not None:
+            self._loop.run_until_complete(self._fetcher.start())
         config = consumer_config(
             self.runtime.settings,
             group_id=self.group_id,
@@ -94,6 +123,7 @@ class QueueConsumer:
         # A crashed member holds its partitions until its session times out (librdkafka: 45 s);
         # its redelivered records are deduplicated anyway, so hand them over sooner.
         config["session.timeout.ms"] = 10_000
+        config.update(self._kafka_config)
         self._consumer = Consumer(config)
         self._consumer.subscribe([self.topic])
 
@@ -106,6 +136,8 @@ class QueueConsumer:
             if self._inbox is not None:
                 self._loop.run_until_complete(self._inbox.close())
                 self._inbox = None
+            if self._fetcher is not None:
+                self._loop.run_until_complete(self._fetcher.close())
             self._loop.close()
             self._loop = None
 
@@ -123,6 +155,7 @@ class QueueConsumer:
         messages = self._consumer.consume(self._batch, timeout_s)
         positions: dict[tuple[str, int], int] = {}
         events: list[Event] = []
+        invalid: list[tuple[Any, ProblemError]] = []
         for message in messages:
             error = message.error()
             if error is not None:
@@ -130,21 +163,41 @@ class QueueConsumer:
                     log.warning("queue %s: %s", self.topic, error.str())
                 continue
             positions[(message.topic(), message.partition())] = message.offset() + 1
-            event = self._event(message)
-            if event is not None:
-                events.append(event)
-        if events and not self._decide(events):
-            return len(messages)  # stopped while the database was down: commit nothing
+            try:
+                events.append(_parse(message))
+            except ProblemError as exc:
+                invalid.append((message, exc))
+        if events and not self._handle(events):
+            # The database did not answer or a result could not be fetched: commit nothing,
+            # read the batch again after a backoff (what was recorded is then a duplicate).
+            self._rewind(messages)
+            self._stop.wait(self._retry_delay)
+            self._retry_delay = min(self._retry_delay * 2, MAX_RETRY_DELAY_S)
+            return len(messages)
+        self._retry_delay = FIRST_RETRY_DELAY_S
+        for message, problem in invalid:  # once, when the batch goes on without them
+            self._skip(message, problem)
         if positions:
             fault_point("consumer.queue_after_commit_before_offsets")
-            self._consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                asynchronous=False,
-            )
+            try:
+                self._consumer.commit(
+                    offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
+                    asynchronous=False,
+                )
+            except KafkaException as exc:
+                # The group moved on (a rebalance): the partitions' new owner reads these
+                # records again and finds their keys already taken.
+                log.warning("queue: offsets not committed: %s", exc.args[0])
         return len(messages)
 
+    def _handle(self, events: list[Event]) -> bool:
+        """Fetch, dedup and record ``events``; False if that could not be finished now."""
+        with_results = self._with_results(events)
+        return with_results is not None and self._decide(with_results)
+
     def _decide(self, events: list[Event]) -> bool:
-        """Dedup and record ``events`` (in rounds of distinct keys); False if stopped first."""
+        """Dedup and record ``events`` (in rounds of distinct keys); False if the database did
+        not answer (the rounds before are recorded)."""
         dedup = self.runtime.dedup
         pending = events
         while pending:
@@ -176,33 +229,98 @@ class QueueConsumer:
             pending = later
         return True
 
+    def _with_results(self, events: list[Event]) -> list[Event] | None:
+        """``events`` with each result by reference fetched, less those whose fetched bytes
+        were refused (counted and logged); None if one could not be fetched now. Keys the view
+        already holds are decided without fetching, as the receiver does."""
+        assert self._loop is not None
+        wanted = {
+            (e.operation_id, e.fingerprint): e
+            for e in events
+            if e.result is None and self.runtime.dedup.known(e) is None
+        }
+        if not wanted:
+            return events
+        got: dict[tuple[str, bytes], Event] = {}
+        if self._fetcher is None:
+            missing = invalid_event("no fetch secret is configured for this consumer")
+            answers: list[Event | BaseException] = [missing] * len(wanted)
+        else:
+            answers = self._loop.run_until_complete(_fetch_all(self._fetcher, [*wanted.values()]))
+        unavailable = 0
+        refused: list[tuple[Event, ProblemError]] = []
+        for key, answer in zip(wanted, answers, strict=True):
+            if isinstance(answer, Event):
+                self._fetches.labels(self.runtime.name, "fetched").inc()
+                got[key] = answer
+            elif isinstance(answer, ProblemError) and answer.problem.status == 422:
+                refused.append((wanted[key], answer))
+            elif isinstance(answer, Exception):
+                self._fetches.labels(self.runtime.name, "unavailable").inc()
+                detail = answer.problem.detail if isinstance(answer, ProblemError) else ""
+                log.warning(
+                    "queue: %s's result not fetched yet (its batch is read again): %s",
+                    key[0],
+                    detail or type(answer).__name__,
+                )
+                unavailable += 1
+            else:
+                raise answer
+        if unavailable:
+            return None
+        for event, problem in refused:  # counted once, when the batch goes on without them
+            self._refused(event, problem)
+        return [
+            got.get((e.operation_id, e.fingerprint), e)
+            for e in events
+            if (e.operation_id, e.fingerprint) not in wanted
+            or (e.operation_id, e.fingerprint) in got
+        ]
+
+    def _rewind(self, messages: list[Any]) -> None:
+        """Seek each partition of ``messages`` back to its first record in them."""
+        first: dict[tuple[str, int], int] = {}
+        for message in messages:
+            if message.error() is None:
+                first.setdefault((message.topic(), message.partition()), message.offset())
+        for (topic, partition), offset in first.items():
+            try:
+                self._consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException as exc:
+                # No longer ours: its new owner reads it from the last committed offset.
+                log.info("queue: not rewound %s[%d]: %s", topic, partition, exc)
+
+    def _refused(self, event: Event, problem: ProblemError) -> None:
+        self._fetches.labels(self.runtime.name, "refused").inc()
+        self._metric.labels(self.runtime.name, problem.problem.slug).inc()
+        log.warning(
+            "queue: %s's result by reference refused and skipped: %s",
+            event.operation_id,
+            problem.problem.detail,
+        )
+
     def _record(self, events: list[Event]) -> dict[str, Recorded] | None:
         assert self._loop is not None and self._inbox is not None
-        delay = 0.1
-        while True:
-            try:
-                results = self._loop.run_until_complete(self._inbox.record_many(events, "queue"))
-                return {e.operation_id: r for e, r in zip(events, results, strict=True)}
-            except DatabaseUnavailableError as exc:
-                # Nothing is committed (offsets included): keep trying this batch.
-                log.warning("queue batch waits for the database: %s", exc)
-                if self._stop.wait(delay):
-                    return None
-                delay = min(delay * 2, 5.0)
-
-    def _event(self, message: Any) -> Event | None:
         try:
-            return _parse(message)
-        except ProblemError as exc:
-            self._metric.labels(self.runtime.name, exc.problem.slug).inc()
-            log.warning(
-                "queue record %s[%d]@%d refused and skipped: %s",
-                message.topic(),
-                message.partition(),
-                message.offset(),
-                exc.problem.detail,
-            )
+            results = self._loop.run_until_complete(self._inbox.record_many(events, "queue"))
+        except DatabaseUnavailableError as exc:
+            log.warning("queue: the batch waits for the database: %s", exc)
             return None
+        return {e.operation_id: r for e, r in zip(events, results, strict=True)}
+
+    def _skip(self, message: Any, problem: ProblemError) -> None:
+        self._metric.labels(self.runtime.name, problem.problem.slug).inc()
+        log.warning(
+            "queue record %s[%d]@%d refused and skipped: %s",
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            problem.problem.detail,
+        )
+
+
+async def _fetch_all(fetcher: ResultFetcher, events: list[Event]) -> list[Event | BaseException]:
+    return await asyncio.gather(*(fetcher.fetch(e) for e in events), return_exceptions=True)
 
 
 def _parse(message: Any) -> Event:
@@ -218,7 +336,7 @@ def _parse(message: Any) -> Event:
     webhook_ids = headers.get(WEBHOOK_ID_HEADER, [])
     if len(webhook_ids) != 1:
         raise key_mismatch(f"a queue record carries exactly one {WEBHOOK_ID_HEADER} header")
-    return parse_event(value, key, webhook_ids[0])
+    return parse_event(value, key, webhook_ids[0], by_reference=True)
 
 
 def drain(consumer: QueueConsumer, idle_s: float = 2.0, timeout_s: float = 60.0) -> int:

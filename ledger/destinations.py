@@ -51,7 +51,8 @@ class Destination:
     disabled_reason: str | None
     updated_at: datetime | None = None
     changed_by: str | None = None
-    #: the webhook signing secret; never printed (``repr`` hides it)
+    #: the webhook signing secret, or the secret a queue's consumer signs its fetches of
+    #: results delivered by reference with (optional for queues); never printed
     secret: str | None = field(default=None, repr=False)
 
 
@@ -101,8 +102,10 @@ def check(
     else:
         if not TOPIC_RE.match(target):
             raise DestinationError(f"not a Kafka topic name: {target!r}")
-        if secret is not None:
-            raise DestinationError("a queue destination has no signing secret")
+        if secret is not None and not SECRET_RE.match(secret):
+            # Optional: a queue's records are not signed (the broker's ACLs guard the topic);
+            # the secret signs only its consumer's fetches of large results (decision 016).
+            raise DestinationError("a queue destination's fetch secret must be a whsec_ secret")
     if not tools or any(not t or len(t) > 128 for t in tools):
         raise DestinationError("name at least one tool (or '*' for every tool)")
     if not 100 <= timeout_ms <= 120_000:

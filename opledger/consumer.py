@@ -5,6 +5,8 @@ Both need the consumer's own database (``OPLEDGER_CONSUMER_PG_DSN``, by default
 ``opledger_consumer`` on the local server), created once by whoever runs the consumer; the
 consumer creates its tables there itself. The receiver also needs ``OPLEDGER_CONSUMER_SECRETS``
 (or ``--secrets-file``: the local stack's supervisor runs it with the secret `stack up` wrote).
+The queue consumer takes the same variable or option for its destination's fetch secret, which
+it needs only for results delivered by reference (decision 016).
 """
 
 from __future__ import annotations
@@ -113,11 +115,19 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     from consumers.queue import QueueConsumer  # noqa: PLC0415
     from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
 
+    if args.secrets_file:
+        try:
+            settings = _with_secrets_file(settings, args.secrets_file)
+        except (OSError, SettingsError) as exc:
+            print(f"opledger: --secrets-file: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.name:
         settings = settings.with_(consumer_name=args.name)
     _setup(settings)
     runtime = ConsumerRuntime(settings)
-    consumer = QueueConsumer(runtime, args.topic, group_id=args.group)
+    consumer = QueueConsumer(
+        runtime, args.topic, group_id=args.group, fetch_secrets=settings.consumer_secret_list
+    )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server  # noqa: PLC0415
 
@@ -166,13 +176,6 @@ def register(commands: Any) -> None:
         default=None,
         help="port to bind (default OPLEDGER_CONSUMER_WEB_PORT, 16068; 0 picks a free one)",
     )
-    run_parser.add_argument(
-        "--secrets-file",
-        metavar="PATH",
-        default=None,
-        help="read the whsec_ secret(s) from this file (whitespace-separated; relative to "
-        "OPLEDGER_HOME) instead of OPLEDGER_CONSUMER_SECRETS",
-    )
     run_parser.set_defaults(handler="opledger.consumer:run")
     queue_parser = actions.add_parser(
         "queue", help="consume a queue destination's topic with the same deduplication"
@@ -193,5 +196,13 @@ def register(commands: Any) -> None:
     for sub in (run_parser, queue_parser):
         sub.add_argument(
             "--name", default=None, help="consumer name (default OPLEDGER_CONSUMER_NAME)"
+        )
+        sub.add_argument(
+            "--secrets-file",
+            metavar="PATH",
+            default=None,
+            help="read the whsec_ secret(s) from this file (whitespace-separated; relative to "
+            "OPLEDGER_HOME) instead of OPLEDGER_CONSUMER_SECRETS; a queue consumer needs its "
+            "destination's fetch secret only for results delivered by reference",
         )
     queue_parser.set_defaults(handler="opledger.consumer:queue")

@@ -121,17 +121,28 @@ def _by(args: argparse.Namespace) -> str:
 
 def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations add``."""
-    from ledger.destinations import DestinationError, DestinationStore, Kind  # noqa: PLC0415
+    from ledger.destinations import (  # noqa: PLC0415
+        DestinationError,
+        DestinationStore,
+        Kind,
+        new_secret,
+    )
     from ledger.pg import open_pool  # noqa: PLC0415
     from opledger import db  # noqa: PLC0415
 
     kind = Kind.WEBHOOK if args.url else Kind.QUEUE
+    if args.fetch_secret and kind is not Kind.QUEUE:
+        print("--fetch-secret is for a queue (--topic); a webhook always has one", file=sys.stderr)
+        return EXIT_USAGE
     secret = None
     if args.secret_env:
         secret = os.environ.get(args.secret_env)
         if not secret:
             print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
             return EXIT_USAGE
+    made = secret is None and (kind is Kind.WEBHOOK or args.fetch_secret)
+    if made and kind is Kind.QUEUE:
+        secret = new_secret()
     db.migrate(settings.dsn)
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
         try:
@@ -149,9 +160,11 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
             print(f"destination refused: {exc}", file=sys.stderr)
             return EXIT_USAGE
     print(f"{added.tenant_id}/{added.name}: {added.kind.value} -> {added.target}")
-    if kind is Kind.WEBHOOK and secret is None:
-        # Shown once, to whoever configures the receiver; never logged, never in an event.
+    # Shown once, to whoever configures the receiver; never logged, never in an event.
+    if made and kind is Kind.WEBHOOK:
         print(f"signing secret (configure the receiver with it): {added.secret}")
+    elif made:
+        print(f"fetch secret (configure the queue's consumer with it): {added.secret}")
     return EXIT_OK
 
 
@@ -318,7 +331,15 @@ def register(commands: Any) -> None:
         "--secret-env",
         metavar="VAR",
         help="read the whsec_ signing secret from this environment variable (default: a new "
-        "one is made and printed once)",
+        "one is made and printed once); for a queue, the secret its consumer signs fetches of "
+        "large results with",
+    )
+    add.add_argument(
+        "--fetch-secret",
+        action="store_true",
+        help="a queue only: make a whsec_ secret (printed once) so that results over "
+        "OPLEDGER_DELIVERY_INLINE_MAX_BYTES go by reference and its consumer fetches them "
+        "(without one, a result too large for a record is dead-lettered)",
     )
     add.add_argument("--timeout-ms", type=int, default=10_000, help="request timeout")
     add.add_argument("--by", metavar="NAME", help="who makes the change (default: cli:<login>)")

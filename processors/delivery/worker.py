@@ -647,10 +647,10 @@ class DeliveryWorker:
         for index, item in enumerate(sends):
             destination, stored = item.destination, item.result
             assert destination is not None and stored is not None
+            # A queue goes by reference only if its consumer can sign the fetch (decision 016).
             by_reference = (
-                destination.kind is Kind.WEBHOOK
-                and len(stored.payload) > self._settings.delivery_inline_max_bytes
-            )
+                destination.kind is Kind.WEBHOOK or destination.secret is not None
+            ) and len(stored.payload) > self._settings.delivery_inline_max_bytes
             delivery = Delivery(
                 operation_id=item.record.operation_id,
                 tenant_id=item.record.tenant_id,
@@ -695,7 +695,8 @@ class DeliveryWorker:
                     results[index] = SendResult(
                         None,
                         f"a record of {record_size(record)} bytes, over the {MESSAGE_MAX_BYTES} "
-                        f"a producer may send to {destination.target}",
+                        f"a producer may send to {destination.target} (give the destination a "
+                        "fetch secret to send results this large by reference)",
                         too_large=True,
                     )
         answers = self._webhooks.start_many([w for _i, w in webhooks]) if webhooks else None

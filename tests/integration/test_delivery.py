@@ -332,6 +332,7 @@ def test_a_result_too_large_for_the_queue_is_dead_lettered_and_stops_nothing(
     )
     error = rig.delivery(big, "queue").error or ""
     assert "too large" in error and "bytes" in error, error
+    assert "fetch secret" in error, error  # what would let it through (decision 016)
     assert [s[:2] for s in rig.steps(big, "queue")] == [
         ("PENDING", 0),
         ("SENT", 1),

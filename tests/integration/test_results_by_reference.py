@@ -11,6 +11,8 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +22,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 from standardwebhooks import Webhook
 
+from consumers.queue import QueueConsumer, drain
+from consumers.runtime import ConsumerRuntime
 from ledger.destinations import DestinationStore, Kind
 from ledger.domain.ids import canonical_json
 from ledger.pg import open_pool
@@ -76,8 +82,34 @@ def _metric(port: int, name: str, label: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+class Processes:
+    """The real workers of one test: ``opledger projector run``, ``consumer run`` and
+    ``deliver run``, each SIGKILLed at the end (or when a test says)."""
+
+    def __init__(self, settings: Settings, env: dict[str, str], ports: dict[str, int], logs: Path):
+        self.settings, self.ports = settings, ports
+        self._env, self._logs = env, logs
+        self._running: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str) -> None:
+        argv = {
+            "projector": ["projector", "run"],
+            "consumer": ["consumer", "run"],
+            "delivery": ["deliver", "run"],
+        }[name]
+        self._running[name] = start_cli(argv, self._env, self._logs / f"{name}.log")
+        wait_http(f"http://127.0.0.1:{self.ports[name]}/healthz")
+
+    def kill(self, name: str) -> None:
+        kill(self._running.pop(name))
+
+    def kill_all(self) -> None:
+        for name in list(self._running):
+            self.kill(name)
+
+
 @pytest.fixture
-def processes(isolated: Settings, tmp_path: Path) -> Iterator[tuple[Settings, dict[str, int]]]:
+def processes(isolated: Settings, tmp_path: Path) -> Iterator[Processes]:
     ports = {name: free_port() for name in ("projector", "delivery", "consumer")}
     settings = isolated.with_(
         consumer_pg_dsn=isolated.dsn,
@@ -97,25 +129,19 @@ def processes(isolated: Settings, tmp_path: Path) -> Iterator[tuple[Settings, di
         OPLEDGER_CONSUMER_SECRETS=SECRET,
         OPLEDGER_CONSUMER_WEB_PORT=str(ports["consumer"]),
     )
-    started: list[subprocess.Popen[bytes]] = []
+    running = Processes(settings, env, ports, tmp_path)
     try:
-        for name, argv in (
-            ("projector", ["projector", "run"]),
-            ("consumer", ["consumer", "run"]),
-            ("delivery", ["deliver", "run"]),
-        ):
-            started.append(start_cli(argv, env, tmp_path / f"{name}.log"))
-            wait_http(f"http://127.0.0.1:{ports[name]}/healthz")
-        yield settings, ports
+        for name in ("projector", "consumer", "delivery"):
+            running.start(name)
+        yield running
     finally:
-        for process in started:
-            kill(process)
+        running.kill_all()
 
 
 def test_a_large_result_is_fetched_by_the_receiver_checked_and_applied_once(
-    processes: tuple[Settings, dict[str, int]],
+    processes: Processes,
 ) -> None:
-    settings, ports = processes
+    settings, ports = processes.settings, processes.ports
     grant(settings, TENANT, actor=ACTOR, tool="render_report", destinations=("reference",))
     _add(settings, TENANT, "reference", f"http://127.0.0.1:{ports['consumer']}/events", SECRET)
     large = os.urandom(INLINE_MAX) * 5 + b"tail"  # 320 KiB and a bit: over the inline limit
@@ -229,3 +255,179 @@ def test_a_large_result_is_fetched_by_the_receiver_checked_and_applied_once(
         )
     status, body, _type = _get(url, sign_fetch([SECRET], TENANT, "reference", ops["large"], now))
     assert status == 403 and large[:64] not in body
+
+
+QUEUE_SECRET = "whsec_" + base64.b64encode(b"queue-fetch-secret-0123456").decode()
+
+
+def _fetches(consumer: QueueConsumer, outcome: str) -> float:
+    value = consumer.runtime.registry.get_sample_value(
+        "opledger_consumer_result_fetches_total",
+        {"consumer": consumer.runtime.name, "outcome": outcome},
+    )
+    return value or 0.0
+
+
+def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
+    processes: Processes,
+) -> None:
+    """Decision 016: a queue destination with a fetch secret gets a large result by reference;
+    its consumer fetches it signed with that secret, checks it and applies it once. Without
+    the secret a consumer refuses the reference (and applies the rest); with the wrong one, or
+    while no delivery worker serves, it reads the batch again, committing nothing, instead of
+    skipping what it could not fetch."""
+    settings, ports = processes.settings, processes.ports
+    topic = f"{settings.topic_prefix}.results-queue"
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(topic, 2, 1)]).values():
+        future.result(timeout=30)
+    grant(settings, TENANT, actor=ACTOR, tool="export_csv", destinations=("results-queue",))
+    with open_pool(settings.dsn, name="by-reference-queue", max_size=1) as pool:
+        DestinationStore(pool).add(
+            tenant_id=TENANT,
+            name="results-queue",
+            kind=Kind.QUEUE,
+            target=topic,
+            tools=["export_csv"],
+            changed_by="test",
+            secret=QUEUE_SECRET,
+        )
+    large = os.urandom(INLINE_MAX) * 3 + b"tail"
+    small = b"a,b\n1,2\n"
+    with TransitionRecorder.connect(settings, owner="by-reference-queue-test") as service:
+        ops = {}
+        for label, result in (("large", large), ("small", small)):
+            op = service.intent(TENANT, ACTOR, "export_csv", {"which": label})
+            service.dispatched(op, provider_ref=op.operation_id)
+            service.succeeded(op, result, content_type="text/csv")
+            ops[label] = op.operation_id
+    deadline = time.monotonic() + 90
+    while {_states(settings).get(op) for op in ops.values()} != {"ACKED"}:
+        assert time.monotonic() < deadline, f"not both ACKED: {_states(settings)}"
+        time.sleep(0.3)
+
+    def applied() -> dict[str, int]:
+        """Operation -> the bytes applied, of the one consumer that applies them ("billing")."""
+        with psycopg.connect(settings.dsn) as conn:
+            rows = conn.execute(
+                "SELECT consumer, operation_id, result_bytes FROM consumer_applied_changes "
+                "WHERE operation_id = ANY(%s)",
+                (list(ops.values()),),
+            ).fetchall()
+        assert {consumer for consumer, _op, _n in rows} <= {"billing"}, rows
+        return {op: n for _consumer, op, n in rows}
+
+    group = f"{settings.topic_prefix}-queue"
+    # The wrong secret: the fetch is refused with 401, so nothing of the batch is recorded
+    # and its offsets stay uncommitted, however long it runs.
+    wrong = QueueConsumer(
+        ConsumerRuntime(settings, name="queue-wrong"),
+        topic,
+        group_id=f"{group}-wrong",
+        fetch_secrets=[OTHER_SECRET],
+    )
+    try:
+        runner = threading.Thread(target=wrong.run)
+        runner.start()
+        deadline = time.monotonic() + 30
+        while _fetches(wrong, "unavailable") < 3:
+            assert time.monotonic() < deadline, "the wrong secret's fetch was not retried"
+            time.sleep(0.2)
+        wrong.stop()
+        runner.join(30)
+        assert not runner.is_alive()
+        assert _fetches(wrong, "fetched") == 0 and applied() == {}
+        reader = Consumer(
+            {"bootstrap.servers": settings.bootstrap_servers, "group.id": f"{group}-wrong"}
+        )
+        try:
+            committed = reader.committed([TopicPartition(topic, p) for p in (0, 1)], timeout=10)
+        finally:
+            reader.close()
+        assert all(tp.offset < 0 for tp in committed), committed
+    finally:
+        wrong.stop()
+        wrong.runtime.close()
+
+    # No secret: the reference is refused and skipped; the small result is applied.
+    bare = QueueConsumer(ConsumerRuntime(settings, name="billing"), topic, group_id=group)
+    try:
+        bare.open()
+        drain(bare)
+        bare.close()
+        assert _fetches(bare, "refused") == 1
+    finally:
+        bare.runtime.close()
+    assert applied() == {ops["small"]: len(small)}
+
+    # The destination's secret, in another group that reads both again, while no delivery
+    # worker serves (SIGKILLed): the consumer reads the batch again and again; once a worker
+    # serves, the large result is fetched, checked and applied, and the small one is a
+    # duplicate, not applied twice.
+    processes.kill("delivery")
+    right = QueueConsumer(
+        ConsumerRuntime(settings, name="billing"),
+        topic,
+        group_id=f"{group}-right",
+        fetch_secrets=[QUEUE_SECRET],
+    )
+    runner = threading.Thread(target=right.run)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 30
+        while _fetches(right, "unavailable") < 2:
+            assert time.monotonic() < deadline, "the fetch was not tried again"
+            time.sleep(0.2)
+        assert applied() == {ops["small"]: len(small)}
+        processes.start("delivery")
+        deadline = time.monotonic() + 60
+        while ops["large"] not in applied():
+            assert time.monotonic() < deadline, "the large result never applied"
+            time.sleep(0.2)
+    finally:
+        right.stop()
+        runner.join(30)
+        right.runtime.close()
+    assert not runner.is_alive()
+    assert _fetches(right, "fetched") == 1
+    records = right.runtime.registry
+    for outcome in ("accepted", "duplicate"):  # the large one, then the small one seen again
+        sample = {"consumer": "billing", "outcome": outcome}
+        assert records.get_sample_value("opledger_consumer_queue_records_total", sample) == 1
+    assert applied() == {ops["large"]: len(large), ops["small"]: len(small)}
+    # The new worker served exactly the one fetch.
+    assert _metric(ports["delivery"], "opledger_delivery_result_fetches_total", "served") == 1
+    with psycopg.connect(settings.dsn) as conn:
+        changes = conn.execute(
+            "SELECT count(*) FROM consumer_applied_changes WHERE operation_id = ANY(%s)",
+            (list(ops.values()),),
+        ).fetchone()
+    assert changes == (2,)
+
+
+def test_destinations_add_gives_a_queue_a_fetch_secret_only_when_asked(isolated: Settings) -> None:
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "opledger.cli", "destinations", "add", "--tenant", TENANT,
+             "--tool", "*", *argv],
+            env=env_for(isolated),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )  # fmt: skip
+
+    with_secret = cli("--name", "q1", "--topic", "acme.q1", "--fetch-secret")
+    without = cli("--name", "q2", "--topic", "acme.q2")
+    webhook = cli("--name", "h1", "--url", "http://127.0.0.1:9/events", "--fetch-secret")
+    assert with_secret.returncode == 0, with_secret.stderr
+    assert without.returncode == 0, without.stderr
+    assert webhook.returncode == 2 and "--fetch-secret is for a queue" in webhook.stderr
+    printed = re.findall(r"fetch secret \(configure the queue's consumer with it\): (\S+)",
+                         with_secret.stdout)  # fmt: skip
+    assert "secret" not in without.stdout
+    with open_pool(isolated.dsn, name="fetch-secret-cli", max_size=1) as pool:
+        stored = DestinationStore(pool).get_many([(TENANT, "q1"), (TENANT, "q2"), (TENANT, "h1")])
+    assert set(stored) == {(TENANT, "q1"), (TENANT, "q2")}
+    assert printed == [stored[(TENANT, "q1")].secret]
+    assert stored[(TENANT, "q2")].secret is None

@@ -246,7 +246,7 @@ SECRET = new_secret()
         ({"tools": []}, "tool"),
         ({"timeout_ms": 10}, "timeout"),
         ({"kind": Kind.QUEUE, "target": "bad topic!", "secret": None}, "topic"),
-        ({"kind": Kind.QUEUE, "target": "results", "secret": SECRET}, "no signing secret"),
+        ({"kind": Kind.QUEUE, "target": "results", "secret": "whsec_short"}, "fetch secret"),
     ],
 )
 def test_a_bad_destination_is_refused_with_the_reason(
@@ -279,3 +279,15 @@ def test_a_good_destination_passes_and_its_secret_is_never_in_its_repr() -> None
     shown = repr(Destination("acme", "crm", Kind.WEBHOOK, "http://x", ("*",), 1000, True, None,
                              secret=SECRET))  # fmt: skip
     assert SECRET not in shown
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_queue_destination_passes_with_or_without_a_fetch_secret(secret: str | None) -> None:
+    check(
+        name="results-queue",
+        kind=Kind.QUEUE,
+        target="acme.results",
+        tools=["*"],
+        secret=secret,
+        timeout_ms=1000,
+    )
