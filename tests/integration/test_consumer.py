@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from consumers.contract import MAX_BODY_BYTES, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX, Event
 from consumers.keystore import decode_entry, partition_of, record_key
@@ -40,6 +41,7 @@ from ledger.settings import Settings
 from ledger.topics import end_offsets
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
 from tests.support import read_all
+from tests.tcp_proxy import TcpProxy
 
 # --- a receiver in a thread of the test process --------------------------------------------------
 
@@ -957,6 +959,81 @@ def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -
     finally:
         again.close()
     assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+
+
+def test_the_queue_consumer_waits_out_a_database_outage_longer_than_its_poll_interval(
+    consumer_settings: Settings,
+) -> None:
+    """Its database cut for longer than ``max.poll.interval.ms`` (set to 10 s here): the consumer
+    keeps its group membership (each attempt is short; the batch is read again), nothing is
+    recorded while the database is away, and afterwards each record is accepted once, with no
+    duplicate from a redelivery, and every offset committed. Holding the batch in one long wait
+    would lose the group and crash on the offset commit."""
+    topic = _queue_topic(consumer_settings)
+    target = conninfo_to_dict(consumer_settings.consumer_dsn)
+    proxy = TcpProxy((str(target.get("host", "127.0.0.1")), int(target.get("port", 5432))))
+    settings = consumer_settings.with_(
+        consumer_pg_dsn=make_conninfo(
+            consumer_settings.consumer_dsn, host="127.0.0.1", port=str(proxy.port)
+        )
+    )
+    ops = [new_op_id() for _ in range(20)]
+    runtime = ConsumerRuntime(settings, name="queue-outage")
+    consumer = QueueConsumer(runtime, topic, kafka_config={"max.poll.interval.ms": 10_000})
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                consumer.run_once()
+        except BaseException as exc:  # the test reports it
+            failures.append(exc)
+
+    runner = threading.Thread(target=run)
+    try:
+        consumer.open()
+        proxy.cut()
+        _produce(consumer_settings, topic, [_queue_record(op, event_body(op)) for op in ops])
+        runner.start()
+        time.sleep(15)
+        assert not failures, failures
+        assert changes_per_operation(consumer_settings) == Counter()
+        proxy.restore()
+        group = f"{consumer_settings.topic_prefix}-consumer-queue-outage"
+        ends = end_offsets(consumer_settings, [topic])
+        reader = Consumer(
+            {"bootstrap.servers": consumer_settings.bootstrap_servers, "group.id": group}
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                tps = reader.committed([TopicPartition(topic, p) for (_, p) in ends], timeout=10)
+                if {(tp.topic, tp.partition): tp.offset for tp in tps} == ends:
+                    break
+                assert time.monotonic() < deadline, f"offsets not committed: {tps}"
+                assert not failures, failures
+                time.sleep(0.3)
+        finally:
+            reader.close()
+        stop.set()
+        runner.join(30)
+        consumer.close()
+        by_outcome = {
+            dict(s.labels)["outcome"]: s.value
+            for metric in runtime.metrics.queue_records.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+    finally:
+        stop.set()
+        if runner.is_alive():
+            runner.join(30)
+        runtime.close()
+        proxy.close()
+    assert not failures, failures
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(ops, 1))
+    assert by_outcome == {"accepted": len(ops)}
 
 
 def test_queue_and_http_deliveries_of_one_consumer_share_its_keys(
