@@ -6,6 +6,7 @@ import argparse
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,8 +93,9 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
     )
     before = control.stats()
     duplicates_before = _consumer_duplicates(settings)
-    fetched_before = _consumer_fetched(settings)
-    queue = _start_queue_consumer(settings, topic, log_dir)
+    fetched_before = _consumer_fetched(settings.consumer_web_port)
+    queue_metrics = _free_port()
+    queue = _start_queue_consumer(settings, topic, log_dir, queue_metrics)
     plan = make_plan(args.operations, args.seed, secrets.randbits(32))
     try:
         console.print(
@@ -119,8 +121,11 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
             deadline=deadline,
             echo=say,
         )
+        # The queue consumer's counter lives in its process: read before it stops.
+        queue_fetched = _consumer_fetched(queue_metrics)
     finally:
         _stop(queue)
+    fetched = _consumer_fetched(settings.consumer_web_port) - fetched_before + queue_fetched
     return report.render(
         console,
         settings,
@@ -130,7 +135,7 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
         after=control.stats(),
         duplicates=max(0.0, _consumer_duplicates(settings) - duplicates_before),
         settled_s=settled_s,
-        failed=failures(observed, fetched=_consumer_fetched(settings) - fetched_before),
+        failed=failures(observed, fetched=fetched),
     )
 
 
@@ -171,17 +176,27 @@ def _consumer_secret(settings: Settings) -> str:
 
 def _consumer_duplicates(settings: Settings) -> float:
     """Repeats the reference consumer recognised and did not apply (its own counter)."""
-    return _consumer_counter(settings, "opledger_consumer_duplicate_keys_total", "")
+    return _consumer_counter(
+        settings.consumer_web_port, "opledger_consumer_duplicate_keys_total", ""
+    )
 
 
-def _consumer_fetched(settings: Settings) -> int:
-    """Results delivered by reference the reference consumer fetched and checked."""
-    fetched = _consumer_counter(settings, "opledger_consumer_result_fetches_total", "fetched")
+def _consumer_fetched(port: int) -> int:
+    """Results delivered by reference that the consumer serving /metrics on ``port`` fetched
+    and checked."""
+    fetched = _consumer_counter(port, "opledger_consumer_result_fetches_total", "fetched")
     return int(fetched)
 
 
-def _consumer_counter(settings: Settings, name: str, outcome: str) -> float:
-    url = f"http://127.0.0.1:{settings.consumer_web_port}/metrics"
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _consumer_counter(port: int, name: str, outcome: str) -> float:
+    url = f"http://127.0.0.1:{port}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=2.0) as response:  # a fixed local URL
             text = response.read().decode("utf-8", "replace")
@@ -196,9 +211,15 @@ def _consumer_counter(settings: Settings, name: str, outcome: str) -> float:
     )
 
 
-def _start_queue_consumer(settings: Settings, topic: str, log_dir: Path) -> subprocess.Popen[bytes]:
+def _start_queue_consumer(
+    settings: Settings, topic: str, log_dir: Path, metrics_port: int
+) -> subprocess.Popen[bytes]:
     """``opledger consumer queue`` for the queue destination; the demo's own process (its topic
-    is the demo's), stopped at the end and resumed by the next run from its group's offsets."""
+    is the demo's), stopped at the end and resumed by the next run from its group's offsets.
+    It signs its fetches of large results with the destination's fetch secret (decision 016),
+    the same file the local receiver reads."""
+    from opledger.supervisor import LOCAL_CONSUMER_SECRET  # noqa: PLC0415
+
     log = log_dir / "queue-consumer.log"
     with log.open("ab") as out:
         return subprocess.Popen(  # our interpreter and CLI; no shell
@@ -212,6 +233,10 @@ def _start_queue_consumer(settings: Settings, topic: str, log_dir: Path) -> subp
                 topic,
                 "--name",
                 QUEUE_CONSUMER,
+                "--secrets-file",
+                LOCAL_CONSUMER_SECRET,
+                "--metrics-port",
+                str(metrics_port),
             ],
             stdin=subprocess.DEVNULL,
             stdout=out,

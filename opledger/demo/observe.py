@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from ledger.settings import Settings
-from opledger.demo.plan import TENANTS, WEBHOOK, Call, routed
+from opledger.demo.plan import QUEUE, TENANTS, WEBHOOK, Call, routed
 from opledger.fakes.model import KeyStats
 
 FINAL = frozenset({"SUCCEEDED", "FAILED"})
@@ -67,7 +67,8 @@ SELECT consumer, operation_id, count(*), max(result_bytes)
  WHERE operation_id = ANY(%(ops)s)
  GROUP BY 1, 2
 """
-#: Results over the inline limit: their webhook deliveries went by reference (decision 015).
+#: Results over the inline limit: their deliveries went by reference (decisions 015, 016: the
+#: demo's queue has a fetch secret).
 _LARGE_RESULTS_SQL = """
 SELECT o.operation_id, octet_length(r.payload)
   FROM agent_operations o
@@ -159,13 +160,13 @@ class Observed:
         return max(self.applied.values(), default=0)
 
     def by_reference(self) -> list[tuple[str, str]]:
-        """(consumer, operation id) of every acknowledged webhook delivery of a large result:
-        the ones that went by reference."""
+        """(consumer, operation id) of every acknowledged delivery of a large result: the ones
+        that went by reference (to the webhook, and to the queue, which has a fetch secret)."""
         return sorted(
             (consumer, d.operation_id)
             for d in self.deliveries
             if d.state == "ACKED"
-            and d.destination == WEBHOOK
+            and d.destination in (WEBHOOK, QUEUE)
             and d.operation_id in self.large_results
             and (consumer := self.consumers.get(d.destination)) is not None
         )
@@ -206,8 +207,8 @@ def failures(observed: Observed, *, fetched: int | None = None) -> list[str]:
       delivery applied;
     - no operation lost or left unfinished, no delivery left open; the projections agree with
       the provider (SUCCEEDED: one side effect, FAILED: none);
-    - every result over the inline limit delivered to a webhook went by reference (the consumer
-      counted at least that many ``fetched``) and was applied whole.
+    - every result over the inline limit went by reference (the consumers counted at least
+      that many ``fetched`` between them) and was applied whole.
     """
     found: list[str] = []
     for op in observed.announced:
@@ -228,7 +229,7 @@ def failures(observed: Observed, *, fetched: int | None = None) -> list[str]:
     by_reference = len(observed.by_reference())
     if fetched is not None and fetched < by_reference:
         found.append(
-            f"{by_reference} results were over the inline limit, but the consumer fetched only "
+            f"{by_reference} results were over the inline limit, but the consumers fetched only "
             f"{fetched} by reference: the others were not delivered by reference"
         )
     lost = _lost(observed)

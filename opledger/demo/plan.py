@@ -78,8 +78,12 @@ class ToolMix:
 PROVIDER_MIX: Mapping[str, ToolMix] = {
     # One in ten carries a 600 KiB attachment: delivered by reference (decision 015).
     "send_email": ToolMix(fail_rate=0.08, lose_response_rate=0.06, attachment_rate=0.1),
-    # The slow one: every call and lookup takes 400 ms, well inside the 5 s call timeout.
-    "create_invoice": ToolMix(fail_rate=0.05, lose_response_rate=0.05, latency_ms=400),
+    # The slow one: every call and lookup takes 400 ms, well inside the 5 s call timeout. One
+    # invoice in ten carries a 600 KiB PDF: by reference to the webhook and, with its fetch
+    # secret, to the billing queue too (decision 016).
+    "create_invoice": ToolMix(
+        fail_rate=0.05, lose_response_rate=0.05, latency_ms=400, attachment_rate=0.1
+    ),
     # Its lookups are sometimes unavailable: reconciliation asks again later, never calls.
     "post_slack_message": ToolMix(
         fail_rate=0.05, lose_response_rate=0.08, lookup_unavailable_rate=0.25

@@ -120,8 +120,8 @@ def render(
     whole = len(by_reference) - len(truncated(observed))
     console.print(
         f"[bold]results over {settings.delivery_inline_max_bytes // 1024} KiB delivered by "
-        f"reference: {len(by_reference)}, applied whole: {whole}[/] (the consumer fetched each "
-        "from the delivery workers and checked its size and sha256)"
+        f"reference: {len(by_reference)}, applied whole: {whole}[/] (the receiver and the queue "
+        "consumer fetched each from the delivery workers and checked its size and sha256)"
     )
     console.print(
         f"[bold]operations lost or unfinished: {unfinished} of {len(observed.announced)}[/]"

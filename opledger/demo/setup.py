@@ -95,7 +95,9 @@ def add_destinations(settings: Settings, *, consumer_url: str, secret: str, topi
                 target=topic if queue else _webhook_url(route.name, consumer_url),
                 tools=route.tools,
                 changed_by=CHANGED_BY,
-                secret=None if queue else secret,
+                # The queue's fetch secret (decision 016) is the local consumer's secret too:
+                # one file for both of the demo's consumers to read.
+                secret=secret,
                 timeout_ms=DESTINATION_TIMEOUT_MS,
             )
 

@@ -117,6 +117,25 @@ def test_a_result_by_reference_applied_short_or_never_fetched_fails() -> None:
     assert any("fetched only 0 by reference" in line for line in failures(whole, fetched=0))
 
 
+def test_a_large_result_for_the_queue_counts_as_by_reference_at_the_queue_consumer_too() -> None:
+    size = 600 * 1024
+    both = replace(
+        _observed(CLEAN),
+        large_results={OP_CHARGE: size},  # routed to the webhook and to the billing queue
+        applied_bytes={("reference", OP_CHARGE): size, ("billing", OP_CHARGE): size},
+    )
+    assert both.by_reference() == [("billing", OP_CHARGE), ("reference", OP_CHARGE)]
+    assert failures(both, fetched=2) == []
+    assert any("fetched only 1 by reference" in line for line in failures(both, fetched=1))
+    short = replace(
+        both, applied_bytes={("reference", OP_CHARGE): size, ("billing", OP_CHARGE): 10}
+    )
+    assert failures(short, fetched=2) == [
+        f"{OP_CHARGE}: consumer billing applied 10 bytes of a {size}-byte result delivered by "
+        "reference"
+    ]
+
+
 def test_the_summary_shows_the_provider_count_and_the_violation() -> None:
     observed = _observed(CLEAN | {OP_CHARGE: KeyStats(2, 2, 1)})
     console = Console(record=True, width=200)
