@@ -329,7 +329,13 @@ class DeliveryWorker:
                 succeeded[event.operation_id] = event.tenant_id
         fresh: list[_Item] = []
         if succeeded:
-            fresh = self._open_deliveries(succeeded)
+            try:
+                fresh = self._open_deliveries(succeeded)
+            except BaseException:
+                # Read, not acted on: read it again next pass, or its deliveries would open
+                # only when some later reader starts from the committed offset.
+                self._rewind(messages)
+                raise
             fault_point("deliver.after_enqueue_before_commit")
         if positions:
             offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items()]
@@ -339,6 +345,21 @@ class DeliveryWorker:
                 # A rebalance took the partition: its next owner derives the same PENDINGs.
                 log.info("outbox position not committed (%s); the next reader repeats it", exc)
         return fresh
+
+    def _rewind(self, messages: Sequence[Message]) -> None:
+        """Seek each partition of ``messages`` back to its first record in them."""
+        assert self._consumer is not None
+        first: dict[tuple[str, int], int] = {}
+        for message in messages:
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            if topic is None or partition is None or offset is None or message.error():
+                continue
+            first.setdefault((topic, partition), offset)
+        for (topic, partition), offset in first.items():
+            try:
+                self._consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException as exc:  # revoked meanwhile: its next owner reads it
+                log.info("outbox not rewound on %s[%d]: %s", topic, partition, exc)
 
     def _decode_if_succeeded(self, message: Message) -> Any:
         """The record's event if it may be a SUCCEEDED execution, else None. Two records of
