@@ -11,8 +11,8 @@ Found by this test: the delivery worker's outbox pass read SUCCEEDED records, fa
 their deliveries while PostgreSQL was away, and went on past them; they opened only when a
 later reader started from the committed offset. It now seeks back and reads them again.
 
-The second test does the same with the broker (a private one) SIGKILLed and restarted, then
-restarted cleanly, while calls are recovered and delivered.
+The second test does the same with the broker (a private one) SIGKILLed and restarted while
+calls are recovered and delivered.
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ pytestmark = pytest.mark.chaos
 
 SERVICE = ROOT / "tests" / "chaos" / "service.py"
 TENANT = "acme"
-#: Longer than the 10 s lease of a crashed call, librdkafka's 10 s session and every
-#: reconnect window of the workers.
+#: Longer than the 10 s lease of a crashed call, librdkafka's 10 s session and, counted from
+#: when the work arrives (a few seconds into the cut), the workers' 10 s window of retrying
+#: one statement: a shorter cut is ridden out inside one pass (with 12 s, the outbox bug this
+#: test found went unseen).
 OUTAGE_S = 20.0
 
 
@@ -234,8 +236,9 @@ def test_workers_ride_out_their_database_going_away(isolated: Settings, tmp_path
 
 
 def test_workers_ride_out_broker_restarts(private_stack: Settings, tmp_path: Path) -> None:
-    """The broker SIGKILLed with a crashed call waiting for recovery, then restarted cleanly
-    while deliveries are under way: the workers carry on without a restart."""
+    """The broker SIGKILLed with a crashed call waiting for recovery and deliveries under way:
+    the workers carry on without a restart. (A clean broker restart is the gentler case;
+    ``test_dependency_restarts`` has both, for the projector.)"""
     rig = Rig(private_stack, tmp_path)
     rig.start()
     try:
@@ -245,11 +248,9 @@ def test_workers_ride_out_broker_restarts(private_stack: Settings, tmp_path: Pat
             "execute", "--tool", "create_invoice", fault="execute.after_intent_before_dispatch:kill"
         )
         stack.restart(private_stack, "kafka", echo=lambda _line: None, kill=True)
-        between = rig.service("execute", "--count", "3")
-        stack.restart(private_stack, "kafka", echo=lambda _line: None)
         after = rig.service("execute", "--count", "3")
-        ops = before + crashed + between + after
-        assert len(crashed) == 1 and len(between) == len(after) == 3, (crashed, between, after)
+        ops = before + crashed + after
+        assert len(crashed) == 1 and len(after) == 3, (crashed, after)
         rig.wait_delivered(ops, "after the restarts")
         calls = rig.calls(ops)
         exits = rig.exits()
