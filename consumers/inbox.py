@@ -217,6 +217,15 @@ class Inbox:
     async def close(self) -> None:
         await self._pool.close()
 
+    async def answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether the database answers a trivial query within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s), self._pool.connection() as conn:
+                await conn.execute("SELECT 1")
+        except (psycopg.Error, PoolTimeout, TimeoutError):
+            return False
+        return True
+
     async def record_many(self, events: Sequence[Event], via: str) -> list[Recorded]:
         """Take the keys and apply the change atomically; one answer per event, in order. The
         events must have distinct operation ids.

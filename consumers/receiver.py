@@ -154,6 +154,9 @@ class Receiver:
         self._fetcher = ResultFetcher(verifier.secrets)
         self._fetches: set[asyncio.Task[None]] = set()
         self._in_flight: set[str] = set()
+        #: when recording last failed for want of the database (None: it answered last)
+        self._database_down_since: float | None = None
+        self._probe: asyncio.Task[None] | None = None
         self._responses: dict[tuple[int, str], Any] = {}
         self._latency = runtime.metrics.request_seconds.labels(runtime.name)
         self._server = HttpServer(
@@ -181,6 +184,9 @@ class Receiver:
     async def stop(self) -> None:
         """Stop listening, answer what is owed (5 s at most), then close the inbox."""
         await self._server.close(timeout=5.0)
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         for fetch in list(self._fetches):
             fetch.cancel()
         await asyncio.gather(*self._fetches, return_exceptions=True)
@@ -262,8 +268,11 @@ class Receiver:
     ) -> None:
         self._in_flight.discard(key)
         if isinstance(outcome, DatabaseUnavailableError):
+            if self._database_down_since is None:
+                self._database_down_since = time.monotonic()
             answer.fail(unavailable("the consumer's database does not answer; retry"))
             return
+        self._database_down_since = None
         if isinstance(outcome, Exception):
             answer.fail(outcome)  # 500
             return
@@ -296,8 +305,22 @@ class Receiver:
         return Response(200, generate_latest(self.runtime.registry), _METRICS_CONTENT_TYPE)
 
     def healthz(self, _request: Request) -> Response:
+        """200 when the key view is restored and the database answered the last write; 503
+        otherwise. While the database is down, each probe here also asks it (in the
+        background): a receiver a load balancer took out of rotation gets no writes to learn
+        from that it is back."""
         health = self.runtime.health()
-        return json_response(health, 200 if health["ready"] else 503)
+        down_since = self._database_down_since
+        if down_since is not None:
+            health["database"] = f"not answering for {time.monotonic() - down_since:.0f}s"
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.ensure_future(self._ask_database())
+        ready = health["ready"] and down_since is None
+        return json_response(health, 200 if ready else 503)
+
+    async def _ask_database(self) -> None:
+        if self._inbox is not None and await self._inbox.answers():
+            self._database_down_since = None
 
 
 async def serve(

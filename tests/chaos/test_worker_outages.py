@@ -4,8 +4,9 @@ TCP proxy the test cuts for longer than a lease, a poll interval and a reconnect
 arrives meanwhile (services on the database directly: a crashed call to recover, successful
 calls to deliver). Nobody restarts a worker: afterwards each is the same process, the crashed
 call is recovered, every delivery is acknowledged and applied once, and the provider saw one
-call per operation. The receiver answers 503 to a POST it cannot record meanwhile (the sender
-tries again) and 202 once its database is back.
+call per operation. Each worker's /healthz says 503 meanwhile and 200 after. The receiver
+answers 503 to a POST it cannot record meanwhile (the sender tries again) and 202 once its
+database is back.
 
 Found by this test: the delivery worker's outbox pass read SUCCEEDED records, failed to open
 their deliveries while PostgreSQL was away, and went on past them; they opened only when a
@@ -216,6 +217,13 @@ def test_workers_ride_out_their_database_going_away(isolated: Settings, tmp_path
         seen_during = {n: _health(rig.ports[n]) for n in ("recovery", "delivery", "consumer")}
         alive_during = rig.exits()
         proxy.restore()
+        # Nothing is posted to the receiver now: its health must learn by itself that the
+        # database is back (a load balancer would send it nothing while it says 503).
+        _wait(
+            lambda: _health(rig.ports["consumer"]) == 200,
+            lambda: "the receiver's /healthz never said 200 again",
+            timeout=30,
+        )
 
         ops = before + crashed + during
         assert len(crashed) == 1 and len(during) == 3, (crashed, during)
@@ -227,6 +235,7 @@ def test_workers_ride_out_their_database_going_away(isolated: Settings, tmp_path
         rig.stop()
         proxy.close()
     print(f"\n/healthz while the database was away: {json.dumps(seen_during)}")
+    assert seen_during == {"recovery": 503, "delivery": 503, "consumer": 503}
     assert alive_during == dict.fromkeys(rig.started), f"a worker exited: {alive_during}"
     assert exits == dict.fromkeys(rig.started), f"a worker exited: {exits}"
     # The receiver refused what it could not record (the sender tries again), took it after.

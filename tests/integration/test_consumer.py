@@ -864,6 +864,40 @@ def test_a_change_may_refuse_an_event_and_the_refusal_is_kept(
     assert outcomes == {refused: "refused", applied: "applied"}
 
 
+def test_the_receiver_says_503_while_its_database_is_away_and_learns_by_itself_it_is_back(
+    consumer_settings: Settings,
+) -> None:
+    """Its database cut (a TCP proxy): a POST gets 503 and so does /healthz, which names the
+    database. Restored, /healthz says 200 again with no POST in between (it asks the database
+    itself: a receiver taken out of rotation gets no writes to learn from), and the POST is
+    then accepted."""
+    target = conninfo_to_dict(consumer_settings.consumer_dsn)
+    proxy = TcpProxy((str(target.get("host", "127.0.0.1")), int(target.get("port", 5432))))
+    settings = consumer_settings.with_(
+        consumer_pg_dsn=make_conninfo(
+            consumer_settings.consumer_dsn, host="127.0.0.1", port=str(proxy.port)
+        )
+    )
+    running = RunningReceiver(settings)
+    op = new_op_id()
+    try:
+        assert post(running.url, b"", {}, path="/healthz", method="GET").status == 200
+        proxy.cut()
+        assert_problem(send(running.url, op), 503, "unavailable")
+        health = post(running.url, b"", {}, path="/healthz", method="GET")
+        assert health.status == 503 and "not answering" in health.json()["database"]
+        proxy.restore()
+        deadline = time.monotonic() + 30
+        while post(running.url, b"", {}, path="/healthz", method="GET").status != 200:
+            assert time.monotonic() < deadline, "/healthz never said 200 again"
+            time.sleep(0.2)
+        assert send(running.url, op).status == 202
+    finally:
+        running.stop()
+        proxy.close()
+    assert changes_per_operation(consumer_settings) == Counter({op: 1})
+
+
 # --- the queue side ------------------------------------------------------------------------------
 
 
