@@ -58,12 +58,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
     from consumers.signatures import SignatureVerifier  # noqa: PLC0415
 
-    if args.secrets_file:
-        try:
-            settings = _with_secrets_file(settings, args.secrets_file)
-        except (OSError, SettingsError) as exc:
-            print(f"opledger: --secrets-file: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+    read = _read_secrets_file(args, settings)
+    if read is None:
+        return EXIT_USAGE
+    settings = read
     if not settings.consumer_secret_list:
         print(
             "opledger: OPLEDGER_CONSUMER_SECRETS is empty; the receiver verifies every request's "
@@ -86,6 +84,18 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"opledger: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _read_secrets_file(args: argparse.Namespace, settings: Settings) -> Settings | None:
+    """``settings`` with ``--secrets-file``'s secrets, if given; None (the reason printed) if
+    the file cannot be used."""
+    if not args.secrets_file:
+        return settings
+    try:
+        return _with_secrets_file(settings, args.secrets_file)
+    except (OSError, SettingsError) as exc:
+        print(f"opledger: --secrets-file: {exc}", file=sys.stderr)
+        return None
 
 
 def _with_secrets_file(settings: Settings, name: str) -> Settings:
@@ -115,12 +125,10 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     from consumers.queue import QueueConsumer  # noqa: PLC0415
     from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
 
-    if args.secrets_file:
-        try:
-            settings = _with_secrets_file(settings, args.secrets_file)
-        except (OSError, SettingsError) as exc:
-            print(f"opledger: --secrets-file: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+    read = _read_secrets_file(args, settings)
+    if read is None:
+        return EXIT_USAGE
+    settings = read
     if args.name:
         settings = settings.with_(consumer_name=args.name)
     _setup(settings)
