@@ -231,9 +231,15 @@ def test_workers_die_with_a_sigkilled_supervisor(isolated: Settings, tmp_path: P
         assert _alive(child)
         process.send_signal(signal.SIGKILL)
         process.wait()
-        # PR_SET_PDEATHSIG: the kernel kills the orphan; nothing else is left to do it.
+        # PR_SET_PDEATHSIG: the kernel kills the orphans; nothing else is left to do it. Each
+        # worker gets its SIGKILL at once but takes its own time to tear down (unmapping a large
+        # heap), so the whole session is waited for, not sampled once the projector is gone.
         _wait(lambda: not _alive(child), 10, "projector gone after its supervisor's SIGKILL")
-        assert _session_members(process.pid) == set()
+        _wait(
+            lambda: not _session_members(process.pid),
+            10,
+            "every worker gone after its supervisor's SIGKILL",
+        )
 
 
 #: A supervisor from an older opledger: it runs the projector only.
