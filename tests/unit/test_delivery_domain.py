@@ -281,7 +281,7 @@ def test_a_good_destination_passes_and_its_secret_is_never_in_its_repr() -> None
     assert SECRET not in shown
 
 
-@pytest.mark.parametrize("secret", [None, SECRET])
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "fetch secret"])
 def test_a_queue_destination_passes_with_or_without_a_fetch_secret(secret: str | None) -> None:
     check(
         name="results-queue",
