@@ -14,12 +14,13 @@ coordinates (never its value), counted, and skipped: nothing a topic holds stops
 A result too large for a record comes by reference (decision 016): the consumer fetches it with
 a ``GET`` signed with the queue destination's fetch secret, before recording, exactly as the
 receiver does. The record was acknowledged to the ledger when it was appended, so nobody will
-send it again: when a fetch cannot be made now, nothing of its batch is recorded or committed,
-the consumer seeks back to the batch's first records and reads them again after a backoff,
-until the fetch is made. A database that does not answer is waited out the same way (each
-attempt is short, so a long outage does not cost the consumer its group membership). Bytes
-that are not the result are refused and skipped like any invalid record: fetching them again
-would give the same bytes.
+send it again: when a fetch cannot be made now, nothing of that record's partition in the batch
+is recorded or committed; the consumer seeks that partition back, pauses it, and reads it again
+after a backoff of its own, until the fetch is made. The other partitions go on meanwhile: one
+result that cannot be fetched holds back only the records queued behind it. A database that does
+not answer is waited out by the whole batch the same way (each attempt is short, so a long outage
+does not cost the consumer its group membership). Bytes that are not the result are refused and
+skipped like any invalid record: fetching them again would give the same bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ log = logging.getLogger("opledger.consumer.queue")
 FIRST_RETRY_DELAY_S = 0.1
 MAX_RETRY_DELAY_S = 5.0
 
+#: A topic partition, as (topic, partition).
+Partition = tuple[str, int]
+
 
 def _headers(message: Any) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
@@ -101,6 +105,13 @@ class QueueConsumer:
         #: None without a fetch secret: results by reference are then refused (and logged)
         self._fetcher = ResultFetcher(fetch_secrets) if fetch_secrets else None
         self._retry_delay = FIRST_RETRY_DELAY_S
+        #: partitions paused while a result of theirs cannot be fetched: when each resumes...
+        self._held: dict[Partition, float] = {}
+        #: ...and the wait before it would be paused again, doubling until a batch of it passes
+        self._hold_delays: dict[Partition, float] = {}
+        #: assigned by the last rebalance: resumed once, as librdkafka may keep a partition
+        #: paused across a rebalance
+        self._assigned: list[TopicPartition] = []
         #: librdkafka settings over the defaults below (``max.poll.interval.ms``, say)
         self._kafka_config = dict(kafka_config or {})
 
@@ -125,7 +136,22 @@ class QueueConsumer:
         config["session.timeout.ms"] = 10_000
         config.update(self._kafka_config)
         self._consumer = Consumer(config)
-        self._consumer.subscribe([self.topic])
+        self._consumer.subscribe(
+            [self.topic],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
+
+    def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+        # Called before librdkafka applies the assignment; resumed in the next run_once.
+        self._assigned.extend(partitions)
+
+    def _on_revoke(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+        # A new owner reads them from the last committed offset: nothing of ours is held.
+        for tp in partitions:
+            self._held.pop((tp.topic, tp.partition), None)
+            self._hold_delays.pop((tp.topic, tp.partition), None)
 
     def close(self) -> None:
         """Leave the group (the runtime stays open: its owner closes it)."""
@@ -152,48 +178,58 @@ class QueueConsumer:
 
     def run_once(self, timeout_s: float = 0.5) -> int:
         """Handle one batch and commit its offsets; returns how many records it held."""
+        self._resume_due()
         messages = self._consumer.consume(self._batch, timeout_s)
-        positions: dict[tuple[str, int], int] = {}
-        events: list[Event] = []
-        invalid: list[tuple[Any, ProblemError]] = []
+        first: dict[Partition, int] = {}
+        positions: dict[Partition, int] = {}
+        entries: list[tuple[Partition, Event]] = []
+        invalid: list[tuple[Partition, Any, ProblemError]] = []
         for message in messages:
             error = message.error()
             if error is not None:
                 if error.code() != KafkaError._PARTITION_EOF:
                     log.warning("queue %s: %s", self.topic, error.str())
                 continue
-            positions[(message.topic(), message.partition())] = message.offset() + 1
+            partition = (message.topic(), message.partition())
+            first.setdefault(partition, message.offset())
+            positions[partition] = message.offset() + 1
             try:
-                events.append(_parse(message))
+                entries.append((partition, _parse(message)))
             except ProblemError as exc:
-                invalid.append((message, exc))
-        if events and not self._handle(events):
-            # The database did not answer or a result could not be fetched: commit nothing,
-            # read the batch again after a backoff (what was recorded is then a duplicate).
-            self._rewind(messages)
+                invalid.append((partition, message, exc))
+        entries, unfetched, refused = self._with_results(entries)
+        if unfetched:
+            # Nothing of these partitions in this batch is recorded or committed.
+            self._hold({p: first[p] for p in unfetched})
+        events = [e for p, e in entries if p not in unfetched]
+        going_on = {p: o for p, o in first.items() if p not in unfetched}
+        if events and not self._decide(events):
+            # The database did not answer: commit nothing, read the batch again after a
+            # backoff (what was recorded is then a duplicate).
+            self._rewind(going_on)
             self._stop.wait(self._retry_delay)
             self._retry_delay = min(self._retry_delay * 2, MAX_RETRY_DELAY_S)
             return len(messages)
         self._retry_delay = FIRST_RETRY_DELAY_S
-        for message, problem in invalid:  # once, when the batch goes on without them
-            self._skip(message, problem)
-        if positions:
+        # Counted once, when their partition goes on without them.
+        for partition, event, problem in refused:
+            if partition not in unfetched:
+                self._refused(event, problem)
+        for partition, message, problem in invalid:
+            if partition not in unfetched:
+                self._skip(message, problem)
+        for partition in going_on:
+            self._hold_delays.pop(partition, None)
+        offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items() if (t, p) in going_on]
+        if offsets:
             fault_point("consumer.queue_after_commit_before_offsets")
             try:
-                self._consumer.commit(
-                    offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                    asynchronous=False,
-                )
+                self._consumer.commit(offsets=offsets, asynchronous=False)
             except KafkaException as exc:
                 # The group moved on (a rebalance): the partitions' new owner reads these
                 # records again and finds their keys already taken.
                 log.warning("queue: offsets not committed: %s", exc.args[0])
         return len(messages)
-
-    def _handle(self, events: list[Event]) -> bool:
-        """Fetch, dedup and record ``events``; False if that could not be finished now."""
-        with_results = self._with_results(events)
-        return with_results is not None and self._decide(with_results)
 
     def _decide(self, events: list[Event]) -> bool:
         """Dedup and record ``events`` (in rounds of distinct keys); False if the database did
@@ -229,60 +265,92 @@ class QueueConsumer:
             pending = later
         return True
 
-    def _with_results(self, events: list[Event]) -> list[Event] | None:
-        """``events`` with each result by reference fetched, less those whose fetched bytes
-        were refused (counted and logged); None if one could not be fetched now. Keys the view
-        already holds are decided without fetching, as the receiver does."""
+    def _with_results(
+        self, entries: list[tuple[Partition, Event]]
+    ) -> tuple[
+        list[tuple[Partition, Event]], set[Partition], list[tuple[Partition, Event, ProblemError]]
+    ]:
+        """``entries`` with each result by reference fetched, less those whose fetched bytes
+        were refused (returned apart, to be counted once their partition goes on); and the
+        partitions holding a result that could not be fetched now. Keys the view already holds
+        are decided without fetching, as the receiver does."""
         assert self._loop is not None
-        wanted = {
-            (e.operation_id, e.fingerprint): e
-            for e in events
-            if e.result is None and self.runtime.dedup.known(e) is None
-        }
+        wanted: dict[tuple[str, bytes], Event] = {}
+        where: dict[tuple[str, bytes], set[Partition]] = {}
+        for partition, e in entries:
+            if e.result is None and self.runtime.dedup.known(e) is None:
+                key = (e.operation_id, e.fingerprint)
+                wanted.setdefault(key, e)
+                where.setdefault(key, set()).add(partition)
         if not wanted:
-            return events
+            return entries, set(), []
         got: dict[tuple[str, bytes], Event] = {}
         if self._fetcher is None:
             missing = invalid_event("no fetch secret is configured for this consumer")
             answers: list[Event | BaseException] = [missing] * len(wanted)
         else:
             answers = self._loop.run_until_complete(_fetch_all(self._fetcher, [*wanted.values()]))
-        unavailable = 0
-        refused: list[tuple[Event, ProblemError]] = []
+        unfetched: set[Partition] = set()
+        refused_keys: dict[tuple[str, bytes], ProblemError] = {}
         for key, answer in zip(wanted, answers, strict=True):
             if isinstance(answer, Event):
                 self._fetches.labels(self.runtime.name, "fetched").inc()
                 got[key] = answer
             elif isinstance(answer, ProblemError) and answer.problem.status == 422:
-                refused.append((wanted[key], answer))
+                refused_keys[key] = answer
             elif isinstance(answer, Exception):
                 self._fetches.labels(self.runtime.name, "unavailable").inc()
                 detail = answer.problem.detail if isinstance(answer, ProblemError) else ""
                 log.warning(
-                    "queue: %s's result not fetched yet (its batch is read again): %s",
+                    "queue: %s's result not fetched yet (its partition is read again): %s",
                     key[0],
                     detail or type(answer).__name__,
                 )
-                unavailable += 1
+                unfetched |= where[key]
             else:
                 raise answer
-        if unavailable:
-            return None
-        for event, problem in refused:  # counted once, when the batch goes on without them
-            self._refused(event, problem)
-        return [
-            got.get((e.operation_id, e.fingerprint), e)
-            for e in events
-            if (e.operation_id, e.fingerprint) not in wanted
-            or (e.operation_id, e.fingerprint) in got
-        ]
+        kept: list[tuple[Partition, Event]] = []
+        refused: list[tuple[Partition, Event, ProblemError]] = []
+        for partition, e in entries:
+            key = (e.operation_id, e.fingerprint)
+            if key not in wanted:
+                kept.append((partition, e))
+            elif key in got:
+                kept.append((partition, got[key]))
+            elif key in refused_keys:
+                refused.append((partition, e, refused_keys[key]))
+        return kept, unfetched, refused
 
-    def _rewind(self, messages: list[Any]) -> None:
-        """Seek each partition of ``messages`` back to its first record in them."""
-        first: dict[tuple[str, int], int] = {}
-        for message in messages:
-            if message.error() is None:
-                first.setdefault((message.topic(), message.partition()), message.offset())
+    def _hold(self, first: dict[Partition, int]) -> None:
+        """Seek each partition back to ``first`` and pause it for its own backoff."""
+        self._rewind(first)
+        now = time.monotonic()
+        for partition in first:
+            delay = self._hold_delays.get(partition, FIRST_RETRY_DELAY_S)
+            self._held[partition] = now + delay
+            self._hold_delays[partition] = min(delay * 2, MAX_RETRY_DELAY_S)
+        try:
+            self._consumer.pause([TopicPartition(t, p) for t, p in first])
+        except KafkaException as exc:
+            log.info("queue: not paused %s: %s", sorted(first), exc)
+
+    def _resume_due(self) -> None:
+        """Resume the partitions whose hold is over, and those a rebalance just assigned."""
+        now = time.monotonic()
+        due = [p for p, at in self._held.items() if at <= now]
+        for partition in due:
+            del self._held[partition]
+        resume = [TopicPartition(t, p) for t, p in due] + self._assigned
+        self._assigned = []
+        if resume:
+            try:
+                self._consumer.resume(resume)
+            except KafkaException as exc:
+                # No longer ours: its new owner reads it from the last committed offset.
+                log.info("queue: not resumed: %s", exc)
+
+    def _rewind(self, first: dict[Partition, int]) -> None:
+        """Seek each partition back to its offset in ``first``."""
         for (topic, partition), offset in first.items():
             try:
                 self._consumer.seek(TopicPartition(topic, partition, offset))

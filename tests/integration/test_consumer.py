@@ -10,8 +10,10 @@ import asyncio
 import base64
 import hashlib
 import http.client
+import http.server
 import json
 import logging
+import os
 import random
 import socket
 import threading
@@ -37,6 +39,8 @@ from consumers.queue import QueueConsumer, drain
 from consumers.receiver import Receiver, serve
 from consumers.runtime import ConsumerRuntime
 from consumers.signatures import SignatureVerifier
+from ledger.domain.ids import canonical_json, content_ref
+from ledger.result_fetch import result_url
 from ledger.settings import Settings
 from ledger.topics import end_offsets
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
@@ -1109,3 +1113,120 @@ def test_a_result_round_trips_into_the_change(
     assert row[:4] == ("acme", DESTINATION, "application/octet-stream", len(result))
     assert row[4] == json.loads(body)["result_ref"]
     assert base64.b64decode(json.loads(body)["result_b64"]) == result
+
+
+class _ResultServer:
+    """Serves results at their ``GET /results/<op>`` URL; answers 503 for the blocked ones."""
+
+    def __init__(self, results: dict[str, bytes]) -> None:
+        self.results = results
+        self.blocked: set[str] = set()
+        self.requests: Counter[str] = Counter()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                op = self.path.removeprefix("/results/").split("?", 1)[0]
+                server.requests[op] += 1
+                result = server.results.get(op)
+                status = 503 if op in server.blocked or result is None else 200
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(result or b"") * (status == 200)))
+                self.end_headers()
+                if status == 200:
+                    self.wfile.write(result or b"")
+
+            def log_message(self, *_args: Any) -> None:
+                pass
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def _by_reference_body(op: str, result: bytes, base_url: str) -> bytes:
+    return canonical_json(
+        {
+            "operation_id": op,
+            "tenant_id": "acme",
+            "tool_name": "send_email",
+            "destination": DESTINATION,
+            "result_ref": content_ref(result),
+            "content_type": "application/octet-stream",
+            "result_url": result_url(base_url, "acme", DESTINATION, op),
+            "result_size": len(result),
+        }
+    )
+
+
+def _committed(settings: Settings, group: str, topic: str) -> dict[int, int]:
+    reader = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": group})
+    try:
+        committed = reader.committed([TopicPartition(topic, p) for p in range(3)], timeout=10)
+    finally:
+        reader.close()
+    return {tp.partition: tp.offset for tp in committed}
+
+
+def test_a_result_that_cannot_be_fetched_holds_back_only_its_own_partition(
+    consumer_settings: Settings,
+) -> None:
+    topic = _queue_topic(consumer_settings)
+    stuck, behind = new_op_id(), [new_op_id() for _ in range(3)]
+    elsewhere = {p: [new_op_id() for _ in range(5)] for p in (1, 2)}
+    result = os.urandom(4096)
+    server = _ResultServer({stuck: result})
+    server.blocked.add(stuck)
+    records = [
+        _queue_record(stuck, _by_reference_body(stuck, result, server.base_url), partition=0)
+    ]
+    records += [_queue_record(op, event_body(op), partition=0) for op in behind]
+    records += [
+        _queue_record(op, event_body(op), partition=p) for p, ops in elsewhere.items() for op in ops
+    ]
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-held"
+
+    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+    consumer = QueueConsumer(runtime, topic, group_id=group, fetch_secrets=[SECRET])
+    try:
+        consumer.open()
+        flowing = [op for ops in elsewhere.values() for op in ops]
+        deadline = time.monotonic() + 30
+        while set(changes_per_operation(consumer_settings)) != set(flowing):
+            assert time.monotonic() < deadline, changes_per_operation(consumer_settings)
+            consumer.run_once()
+        for _ in range(10):  # ~1 s more, the fetch still failing: retried, nothing else moves
+            consumer.run_once(timeout_s=0.1)
+        assert server.requests[stuck] >= 2, "the fetch is tried again after a backoff"
+        assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(flowing, 1))
+        committed = _committed(consumer_settings, group, topic)
+        assert (committed[1], committed[2]) == (5, 5), "the other partitions went on"
+        assert committed[0] < 0, "nothing of the stuck partition is committed (no offset yet)"
+
+        server.blocked.clear()
+        drain(consumer)
+        consumer.close()
+        by_outcome = {
+            dict(s.labels)["outcome"]: s.value
+            for metric in runtime.metrics.queue_records.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+    finally:
+        runtime.close()
+        server.close()
+    everything = [stuck, *behind, *flowing]
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys(everything, 1))
+    assert by_outcome == {"accepted": len(everything)}, "the held records were never recorded"
+    assert _committed(consumer_settings, group, topic) == {0: 4, 1: 5, 2: 5}
+    with psycopg.connect(consumer_settings.consumer_dsn) as conn:
+        row = conn.execute(
+            "SELECT result_bytes FROM consumer_applied_changes WHERE operation_id = %s", (stuck,)
+        ).fetchone()
+    assert row == (len(result),)
