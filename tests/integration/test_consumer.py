@@ -1230,3 +1230,53 @@ def test_a_result_that_cannot_be_fetched_holds_back_only_its_own_partition(
             "SELECT result_bytes FROM consumer_applied_changes WHERE operation_id = %s", (stuck,)
         ).fetchone()
     assert row == (len(result),)
+
+
+def test_a_held_partition_moves_through_rebalances_and_is_read_again(
+    consumer_settings: Settings,
+) -> None:
+    """A partition paused while its result cannot be fetched, revoked by one rebalance and
+    assigned back by the next, is read again (librdkafka may keep a pause across a rebalance)."""
+    topic = _queue_topic(consumer_settings)
+    stuck, behind = new_op_id(), [new_op_id() for _ in range(3)]
+    result = os.urandom(2048)
+    server = _ResultServer({stuck: result})
+    server.blocked.add(stuck)
+    by_reference = _by_reference_body(stuck, result, server.base_url)
+    records = [_queue_record(stuck, by_reference, partition=0)]
+    records += [_queue_record(op, event_body(op), partition=0) for op in behind]
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-rebalanced"
+
+    def replica() -> QueueConsumer:
+        runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+        return QueueConsumer(runtime, topic, group_id=group, fetch_secrets=[SECRET])
+
+    first, second = replica(), replica()
+    try:
+        first.open()
+        deadline = time.monotonic() + 30
+        while server.requests[stuck] < 2:  # held, paused, and tried again
+            assert time.monotonic() < deadline, "the fetch was not tried"
+            first.run_once(timeout_s=0.1)
+        second.open()  # a rebalance: the group's partitions are revoked and assigned again
+        deadline = time.monotonic() + 30
+        while not second._consumer.assignment():
+            assert time.monotonic() < deadline, "the second replica got no partition"
+            first.run_once(timeout_s=0.1)
+            second.run_once(timeout_s=0.1)
+        second.close()  # and another: the first replica is given every partition back
+        server.blocked.clear()
+        deadline = time.monotonic() + 60
+        while _committed(consumer_settings, group, topic).get(0) != 4:
+            assert time.monotonic() < deadline, (
+                f"partition 0 not read again: {changes_per_operation(consumer_settings)}"
+            )
+            first.run_once(timeout_s=0.2)
+        first.close()
+    finally:
+        for replica_ in (first, second):
+            replica_.close()
+            replica_.runtime.close()
+        server.close()
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys([stuck, *behind], 1))
