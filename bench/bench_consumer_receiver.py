@@ -15,8 +15,8 @@ earlier ones are doing, so a slow answer cannot hide the requests queued behind 
 
     latency = answer received - due time        (includes any wait in the client)
 
-Printed per server: p50 / p90 / p99 / max in ms, the achieved rate, non-2xx answers (409s
-among them are resends of keys still in flight), the server process's CPU per request and how
+Printed per server: p50 / p90 / p99 / max in ms, the achieved rate, non-2xx answers by status
+(409s are resends of keys still in flight), the server process's CPU per request and how
 busy the machine's cores were (other work on a shared box shows there); then
 ``ratio = receiver p99 / baseline p99`` and the goal ``receiver p99 <= 10 ms``. After the receiver
 phase the consumer's tables are checked: one applied change per distinct key.
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -137,14 +138,14 @@ class Connection:
 
 async def load(
     port: int, requests: list[Request], rate: float, connections: int = 64
-) -> tuple[list[float], int, float]:
-    """Open-loop load; returns latencies (s), non-2xx answers, and the achieved send rate."""
+) -> tuple[list[float], Counter[int], float]:
+    """Open-loop load; returns latencies (s), non-2xx answers by status (0: the connection
+    failed), and the achieved send rate."""
     latencies: list[float] = []
-    failures = 0
+    failures: Counter[int] = Counter()
     queue: asyncio.Queue[tuple[Request, float] | None] = asyncio.Queue()
 
     async def worker() -> None:
-        nonlocal failures
         connection = Connection("127.0.0.1", port)
         while (item := await queue.get()) is not None:
             request, due = item
@@ -154,7 +155,7 @@ async def load(
                 connection = Connection("127.0.0.1", port)
                 status = 0
             if status // 100 != 2:
-                failures += 1
+                failures[status] += 1
             latencies.append(time.perf_counter() - due)
         if connection.writer is not None:
             connection.writer.close()
@@ -279,7 +280,12 @@ def phase(
         cpu = (process_cpu_s(process.pid) - cpu_before) / len(requests) * 1e6
         busy_after = machine_busy()
         busy = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
-        print(f"{name:<34} {percentiles(latencies)}  sent {sent:7.0f}/s  non-2xx {failures}")
+        statuses = ", ".join(f"{status}: {n}" for status, n in sorted(failures.items()))
+        refused = f" ({statuses})" if failures else ""
+        print(
+            f"{name:<34} {percentiles(latencies)}  sent {sent:7.0f}/s  "
+            f"non-2xx {failures.total()}{refused}"
+        )
         print(f"{'':<34} server CPU {cpu:5.0f} us/request; all cores {busy:.0%} busy")
         return latencies
     finally:
