@@ -6,6 +6,11 @@ endpoint serves for this very event (:func:`ledger.result_fetch.fetch_target`): 
 point the receiver at another resource. The answer must be 200 and exactly ``result_size``
 bytes (read no further) whose sha256 is ``result_ref``. Anything else refuses the delivery for
 now (503, so the sender tries again later) or for good (422, the bytes are not the result).
+
+A queue record is not signed, so its URL is no better than the broker's write ACLs. Whoever could
+write one could name a host of theirs, receive the signed ``GET`` and replay it to the ledger
+within its time tolerance. So a fetcher may be given the one results URL it trusts
+(``base_url``): a reference anywhere else is refused without a request.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from datetime import UTC, datetime
 import aiohttp
 
 from consumers.contract import Event, ProblemError, invalid_event, result_unavailable
-from ledger.result_fetch import fetch_target, sign_fetch
+from ledger.result_fetch import RESULTS_PATH, fetch_target, sign_fetch
 
 log = logging.getLogger("opledger.consumer.fetch")
 
@@ -40,10 +45,13 @@ class ResultFetcher:
         timeout_s: float = FETCH_TIMEOUT_S,
         concurrency: int = MAX_CONCURRENT_FETCHES,
         clock: Callable[[], float] = time.time,
+        base_url: str | None = None,
     ) -> None:
         if not secrets:
             raise ValueError("fetches are signed with the receiver's webhook secrets")
         self._secrets = tuple(secrets)
+        #: None: any URL ending with the event's target (the URL came in a signed body)
+        self._trusted = None if base_url is None else base_url.rstrip("/") + RESULTS_PATH
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
@@ -71,6 +79,10 @@ class ResultFetcher:
         target = fetch_target(body.tenant_id, body.destination, body.operation_id)
         if not url.endswith(target):
             raise invalid_event("result_url does not name this event's result; not fetched")
+        if self._trusted is not None and not url.startswith(self._trusted):
+            raise invalid_event(
+                f"result_url is not under this consumer's results URL {self._trusted}; not fetched"
+            )
         now = datetime.fromtimestamp(self._clock(), UTC)
         headers = sign_fetch(
             self._secrets, body.tenant_id, body.destination, body.operation_id, now

@@ -91,6 +91,7 @@ class QueueConsumer:
         batch: int = 500,
         fetch_secrets: Sequence[str] = (),
         kafka_config: Mapping[str, Any] | None = None,
+        results_url: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -102,8 +103,15 @@ class QueueConsumer:
         self._inbox: Inbox | None = None
         self._metric = runtime.metrics.queue_records
         self._fetches = runtime.metrics.result_fetches
-        #: None without a fetch secret: results by reference are then refused (and logged)
-        self._fetcher = ResultFetcher(fetch_secrets) if fetch_secrets else None
+        #: None without a fetch secret: results by reference are then refused (and logged).
+        #: Records are not signed: only references under the ledger's results URL (default:
+        #: the settings' OPLEDGER_DELIVERY_RESULTS_URL) are fetched, so a record cannot send
+        #: a signed fetch to a host of its writer's choosing.
+        self._fetcher = (
+            ResultFetcher(fetch_secrets, base_url=results_url or runtime.settings.results_base_url)
+            if fetch_secrets
+            else None
+        )
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
         self._held: dict[Partition, float] = {}

@@ -1193,7 +1193,9 @@ def test_a_result_that_cannot_be_fetched_holds_back_only_its_own_partition(
     group = f"{consumer_settings.topic_prefix}-consumer-held"
 
     runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(runtime, topic, group_id=group, fetch_secrets=[SECRET])
+    consumer = QueueConsumer(
+        runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=server.base_url
+    )
     try:
         consumer.open()
         flowing = [op for ops in elsewhere.values() for op in ops]
@@ -1250,7 +1252,9 @@ def test_a_held_partition_moves_through_rebalances_and_is_read_again(
 
     def replica() -> QueueConsumer:
         runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-        return QueueConsumer(runtime, topic, group_id=group, fetch_secrets=[SECRET])
+        return QueueConsumer(
+            runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=server.base_url
+        )
 
     first, second = replica(), replica()
     try:
@@ -1280,3 +1284,40 @@ def test_a_held_partition_moves_through_rebalances_and_is_read_again(
             replica_.runtime.close()
         server.close()
     assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys([stuck, *behind], 1))
+
+
+def test_a_record_naming_another_host_gets_no_signed_fetch(consumer_settings: Settings) -> None:
+    """Queue records are not signed: a reference outside the ledger's results URL is refused
+    without a request, so a record's writer cannot collect a signed fetch to replay."""
+    topic = _queue_topic(consumer_settings)
+    ledger_op, elsewhere_op = new_op_id(), new_op_id()
+    result = os.urandom(1024)
+    ledger = _ResultServer({ledger_op: result})
+    elsewhere = _ResultServer({elsewhere_op: result})
+    records = [
+        _queue_record(op, _by_reference_body(op, result, server.base_url), partition=0)
+        for op, server in ((elsewhere_op, elsewhere), (ledger_op, ledger))
+    ]
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-hosts"
+    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+    consumer = QueueConsumer(
+        runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=ledger.base_url
+    )
+    try:
+        consumer.open()
+        drain(consumer)
+        consumer.close()
+        refused = runtime.registry.get_sample_value(
+            "opledger_consumer_result_fetches_total",
+            {"consumer": "queue-crm", "outcome": "refused"},
+        )
+    finally:
+        runtime.close()
+        ledger.close()
+        elsewhere.close()
+    assert elsewhere.requests == Counter(), "no request, so no signature, went elsewhere"
+    assert ledger.requests == Counter({ledger_op: 1})
+    assert refused == 1
+    assert changes_per_operation(consumer_settings) == Counter({ledger_op: 1})
+    assert _committed(consumer_settings, group, topic)[0] == 2, "refused and skipped, not held"
