@@ -20,7 +20,9 @@ after a backoff of its own, until the fetch is made. The other partitions go on 
 result that cannot be fetched holds back only the records queued behind it. A database that does
 not answer is waited out by the whole batch the same way (each attempt is short, so a long outage
 does not cost the consumer its group membership). Bytes that are not the result are refused and
-skipped like any invalid record: fetching them again would give the same bytes.
+skipped like any invalid record: fetching them again would give the same bytes. A pass fetches
+at most :data:`MAX_FETCHED_BYTES_PER_PASS` of results (they are held in memory until its batch
+is recorded); the records past that budget are read again by the next pass.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ log = logging.getLogger("opledger.consumer.queue")
 #: max.poll.interval.ms: an outage of any length does not cost the consumer its group.
 FIRST_RETRY_DELAY_S = 0.1
 MAX_RETRY_DELAY_S = 5.0
+#: Bytes of results by reference one pass fetches at most (at least one result, whatever its
+#: size): every fetched result of a batch is held in memory until the batch is recorded, and
+#: a batch of 500 records could otherwise name 500 results of up to 16 MiB each. The records
+#: past it are read again by the next pass, at once.
+MAX_FETCHED_BYTES_PER_PASS = 64 * 1024 * 1024
 
 #: A topic partition, as (topic, partition).
 Partition = tuple[str, int]
@@ -92,6 +99,7 @@ class QueueConsumer:
         fetch_secrets: Sequence[str] = (),
         kafka_config: Mapping[str, Any] | None = None,
         results_url: str | None = None,
+        max_fetched_bytes: int = MAX_FETCHED_BYTES_PER_PASS,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -112,6 +120,7 @@ class QueueConsumer:
             if fetch_secrets
             else None
         )
+        self._max_fetched_bytes = max_fetched_bytes
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
         self._held: dict[Partition, float] = {}
@@ -190,7 +199,7 @@ class QueueConsumer:
         messages = self._consumer.consume(self._batch, timeout_s)
         first: dict[Partition, int] = {}
         positions: dict[Partition, int] = {}
-        entries: list[tuple[Partition, Event]] = []
+        entries: list[tuple[Partition, int, Event]] = []
         invalid: list[tuple[Partition, Any, ProblemError]] = []
         for message in messages:
             error = message.error()
@@ -202,14 +211,20 @@ class QueueConsumer:
             first.setdefault(partition, message.offset())
             positions[partition] = message.offset() + 1
             try:
-                entries.append((partition, _parse(message)))
+                entries.append((partition, message.offset(), _parse(message)))
             except ProblemError as exc:
                 invalid.append((partition, message, exc))
-        entries, unfetched, refused = self._with_results(entries)
+        if later := self._past_the_fetch_budget(entries):
+            # Read again by the next pass; only what came before them is handled and committed.
+            self._rewind(later)
+            entries = [(p, o, e) for p, o, e in entries if p not in later or o < later[p]]
+            invalid = [i for i in invalid if i[0] not in later or i[1].offset() < later[i[0]]]
+            positions.update(later)
+        fetched, unfetched, refused = self._with_results([(p, e) for p, _o, e in entries])
         if unfetched:
             # Nothing of these partitions in this batch is recorded or committed.
             self._hold({p: first[p] for p in unfetched})
-        events = [e for p, e in entries if p not in unfetched]
+        events = [e for p, e in fetched if p not in unfetched]
         going_on = {p: o for p, o in first.items() if p not in unfetched}
         if events and not self._decide(events):
             # The database did not answer: commit nothing, read the batch again after a
@@ -272,6 +287,25 @@ class QueueConsumer:
                     )
             pending = later
         return True
+
+    def _past_the_fetch_budget(
+        self, entries: list[tuple[Partition, int, Event]]
+    ) -> dict[Partition, int]:
+        """Per partition, the offset of its first record whose result would take this pass's
+        fetches over their byte budget (that record and the rest of its partition wait)."""
+        spent = 0
+        later: dict[Partition, int] = {}
+        for partition, offset, event in entries:
+            size = event.body.result_size
+            if partition in later or event.result is not None or size is None:
+                continue
+            if self.runtime.dedup.known(event) is not None:
+                continue  # decided without a fetch
+            if spent and spent + size > self._max_fetched_bytes:
+                later[partition] = offset
+            else:
+                spent += size
+        return later
 
     def _with_results(
         self, entries: list[tuple[Partition, Event]]

@@ -1321,3 +1321,44 @@ def test_a_record_naming_another_host_gets_no_signed_fetch(consumer_settings: Se
     assert refused == 1
     assert changes_per_operation(consumer_settings) == Counter({ledger_op: 1})
     assert _committed(consumer_settings, group, topic)[0] == 2, "refused and skipped, not held"
+
+
+def test_one_pass_fetches_results_up_to_its_byte_budget(consumer_settings: Settings) -> None:
+    """Every fetched result of a pass is held in memory until its batch is recorded, so a pass
+    fetches at most its budget of bytes (at least one result); the rest is read again next."""
+    topic = _queue_topic(consumer_settings)
+    ops = [new_op_id() for _ in range(6)]
+    results = {op: os.urandom(1000) for op in ops}
+    server = _ResultServer(results)
+    records = [
+        _queue_record(op, _by_reference_body(op, results[op], server.base_url), partition=0)
+        for op in ops
+    ]
+    records.append(_queue_record(inline := new_op_id(), event_body(inline), partition=0))
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-budget"
+    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+    consumer = QueueConsumer(
+        runtime,
+        topic,
+        group_id=group,
+        fetch_secrets=[SECRET],
+        results_url=server.base_url,
+        max_fetched_bytes=2500,
+    )
+    per_pass: list[int] = []
+    try:
+        consumer.open()
+        deadline = time.monotonic() + 60
+        while _committed(consumer_settings, group, topic).get(0) != len(records):
+            assert time.monotonic() < deadline, changes_per_operation(consumer_settings)
+            before = server.requests.total()
+            consumer.run_once(timeout_s=0.2)
+            per_pass.append(server.requests.total() - before)
+        consumer.close()
+    finally:
+        runtime.close()
+        server.close()
+    assert max(per_pass) == 2, f"2 results of 1,000 bytes fit in 2,500, not 3: {per_pass}"
+    assert server.requests == Counter(dict.fromkeys(ops, 1)), "each fetched once, none again"
+    assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys([*ops, inline], 1))
