@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -41,6 +42,8 @@ Registrar = Callable[[Commands], None]
 EXIT_UNHEALTHY = 3
 #: Exit code for errors whose message says how to fix them (no traceback).
 EXIT_USAGE = 2
+#: Exit code when the reader of our output went away: what a shell reports for SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
 
 
 def add_command(
@@ -173,6 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`opledger ops list | head`): say nothing more, and keep the
+        # interpreter from reporting the same error again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
