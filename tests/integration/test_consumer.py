@@ -1164,6 +1164,22 @@ def _by_reference_body(op: str, result: bytes, base_url: str) -> bytes:
     )
 
 
+def _fetching_consumer(
+    settings: Settings, topic: str, group: str, results_url: str, **options: Any
+) -> QueueConsumer:
+    """A queue consumer of a fresh runtime that fetches results by reference from
+    ``results_url``; the caller closes both."""
+    runtime = ConsumerRuntime(settings, name="queue-crm")
+    return QueueConsumer(
+        runtime,
+        topic,
+        group_id=group,
+        fetch_secrets=[SECRET],
+        results_url=results_url,
+        **options,
+    )
+
+
 def _committed(settings: Settings, group: str, topic: str) -> dict[int, int]:
     reader = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": group})
     try:
@@ -1192,10 +1208,8 @@ def test_a_result_that_cannot_be_fetched_holds_back_only_its_own_partition(
     _produce(consumer_settings, topic, records)
     group = f"{consumer_settings.topic_prefix}-consumer-held"
 
-    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(
-        runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=server.base_url
-    )
+    consumer = _fetching_consumer(consumer_settings, topic, group, server.base_url)
+    runtime = consumer.runtime
     try:
         consumer.open()
         flowing = [op for ops in elsewhere.values() for op in ops]
@@ -1251,10 +1265,7 @@ def test_a_held_partition_moves_through_rebalances_and_is_read_again(
     group = f"{consumer_settings.topic_prefix}-consumer-rebalanced"
 
     def replica() -> QueueConsumer:
-        runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-        return QueueConsumer(
-            runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=server.base_url
-        )
+        return _fetching_consumer(consumer_settings, topic, group, server.base_url)
 
     first, second = replica(), replica()
     try:
@@ -1300,10 +1311,8 @@ def test_a_record_naming_another_host_gets_no_signed_fetch(consumer_settings: Se
     ]
     _produce(consumer_settings, topic, records)
     group = f"{consumer_settings.topic_prefix}-consumer-hosts"
-    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(
-        runtime, topic, group_id=group, fetch_secrets=[SECRET], results_url=ledger.base_url
-    )
+    consumer = _fetching_consumer(consumer_settings, topic, group, ledger.base_url)
+    runtime = consumer.runtime
     try:
         consumer.open()
         drain(consumer)
@@ -1337,15 +1346,10 @@ def test_one_pass_fetches_results_up_to_its_byte_budget(consumer_settings: Setti
     records.append(_queue_record(inline := new_op_id(), event_body(inline), partition=0))
     _produce(consumer_settings, topic, records)
     group = f"{consumer_settings.topic_prefix}-consumer-budget"
-    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(
-        runtime,
-        topic,
-        group_id=group,
-        fetch_secrets=[SECRET],
-        results_url=server.base_url,
-        max_fetched_bytes=2500,
+    consumer = _fetching_consumer(
+        consumer_settings, topic, group, server.base_url, max_fetched_bytes=2500
     )
+    runtime = consumer.runtime
     per_pass: list[int] = []
     try:
         consumer.open()
