@@ -68,6 +68,12 @@ def _terms(**changes: Any) -> ProviderTerms:
     return ProviderTerms(**values)
 
 
+#: The lease an abandoned service held. Its intent, dispatch and UNKNOWN must fit in it (the SDK
+#: refuses to write under a lease it may have lost): 1 s did not, once, with three test
+#: processes on 2 cores.
+ABANDONED_LEASE_S = 3.0
+
+
 class Rig:
     """A worker, the provider it calls, and a way to leave operations behind as a dead service
     would (its lease expires at once)."""
@@ -103,7 +109,7 @@ class Rig:
     def abandoned(self, *, dispatched: bool = False, unknown: bool = False) -> TrackedOperation:
         op = self.service.intent(
             "acme", "agent-7", TOOL, {"to": "a@example.com", "t": time.time_ns()},
-            lease_ttl=timedelta(seconds=1),
+            lease_ttl=timedelta(seconds=ABANDONED_LEASE_S),
         )  # fmt: skip
         if dispatched or unknown:
             self.service.dispatched(op, provider_ref=op.operation_id)
@@ -112,7 +118,7 @@ class Rig:
         return op
 
     def recover(self, passes: int = 1) -> None:
-        time.sleep(1.1)  # the dead service's lease runs out
+        time.sleep(ABANDONED_LEASE_S + 0.1)  # the dead service's lease runs out
         project_in_process(self.settings)
         for _ in range(passes):
             self.worker.run_once(range(self.settings.partitions))
@@ -336,7 +342,7 @@ def test_a_live_owner_is_left_alone(rig: Rig) -> None:
 
 def test_the_worker_refuses_to_act_on_an_operation_claimed_by_someone_else(rig: Rig) -> None:
     op = rig.abandoned()
-    time.sleep(1.1)
+    time.sleep(ABANDONED_LEASE_S + 0.1)
     project_in_process(rig.settings)
     # Another process takes it over first (and holds it): the worker finds nothing due.
     with TransitionRecorder.connect(rig.settings, owner="other") as other:
@@ -349,7 +355,7 @@ def test_the_worker_refuses_to_act_on_an_operation_claimed_by_someone_else(rig: 
 
 def test_a_cancelled_operation_is_reconciled_but_never_attempted_again(rig: Rig) -> None:
     op = rig.abandoned(unknown=True)
-    time.sleep(1.1)
+    time.sleep(ABANDONED_LEASE_S + 0.1)
     with TransitionRecorder.connect(rig.settings, owner="operator") as operator:
         operator.cancel(op.operation_id, "acme", "alice", "customer asked")
     rig.recover(passes=2)
