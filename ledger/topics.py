@@ -19,6 +19,7 @@ from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
+from ledger.kafka import admin_config, consumer_config
 from ledger.settings import Settings
 
 
@@ -110,7 +111,7 @@ def all_topic_specs(settings: Settings) -> list[TopicSpec]:
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
     """Create the topics if missing and check existing ones; safe to call any number of times."""
     specs = all_topic_specs(settings)
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = AdminClient(admin_config(settings, client_id="opledger-topics"))
     _create(admin, specs, timeout)
     _verify(admin, specs, timeout)
     return specs
@@ -182,9 +183,10 @@ def _verify_cleanup(admin: AdminClient, specs: list[TopicSpec], timeout: float) 
 
 def end_offsets(settings: Settings, topics: Iterable[str]) -> dict[tuple[str, int], int]:
     """The high watermark of every partition of ``topics``: where "caught up" ends."""
-    # A throwaway consumer: watermark queries need one, and it never joins its group.
+    # A throwaway consumer: watermark queries need one, and it never joins its group. It reads
+    # read_committed as every worker does, so "the end" is the last stable offset they can reach.
     consumer = Consumer(
-        {"bootstrap.servers": settings.bootstrap_servers, "group.id": "opledger-watermarks"}
+        consumer_config(settings, group_id="opledger-watermarks", client_id="opledger-watermarks")
     )
     try:
         ends: dict[tuple[str, int], int] = {}

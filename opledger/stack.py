@@ -35,6 +35,7 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger.kafka import admin_config, producer_config
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
 from opledger import db, supervisor
@@ -314,7 +315,7 @@ def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
     if not settings.kafka_bootstrap and not _port_open(settings.kafka_port):
         return False
     # log_level 0: librdkafka would otherwise print connection errors while we poll.
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**admin_config(settings, client_id="opledger-stack"), "log_level": 0})
     try:
         admin.list_topics(timeout=timeout)
     except Exception:  # any failure here just means "not healthy yet"
@@ -396,8 +397,7 @@ def _wait_producer_ids(settings: Settings, timeout: float = 60.0) -> None:
 
     probe = Producer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
-            "enable.idempotence": True,
+            **producer_config(settings, client_id="opledger-stack-probe"),
             "statistics.interval.ms": 100,
             "stats_cb": on_stats,
             "log_level": 0,  # the retries this waits out are expected; keep them quiet
