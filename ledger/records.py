@@ -64,6 +64,8 @@ class DeadLetter:
     by_reference: bool = False
     #: size of the original record's value (``value`` holds the reference when by_reference)
     size_bytes: int | None = None
+    #: the record's own headers, republished with it (a redrive gives them back)
+    headers: tuple[tuple[str, bytes | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,6 @@ Nothing a topic holds can stop this loop:
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -45,6 +42,7 @@ from confluent_kafka import (
 )
 
 from ledger.codec import Codec, DecodeError
+from ledger.dead_letters import by_reference, dead_letter_headers, needs_reference
 from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
 from ledger.kafka import consumer_config, partition_for, producer_config
@@ -67,12 +65,6 @@ log = logging.getLogger("opledger.projector")
 
 _MACHINES = ("execution", "delivery", "control")
 
-#: Largest record (key + value) republished whole to the dead-letter topic. The broker accepts
-#: records up to about 1 MiB (its message.max.bytes); a dead letter adds headers, so anything
-#: near that size is sent as a reference instead of being refused by the producer.
-DLQ_INLINE_LIMIT = 900_000
-#: Bytes of an oversized record kept in its reference, to help whoever investigates it.
-DLQ_PREFIX_BYTES = 1024
 _UNREACHABLE = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE)
 _TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
 
@@ -586,17 +578,14 @@ class BatchProjector:
             if letter.coordinates in self._published:
                 stored.append(letter)
                 continue
-            size = len(letter.key or b"") + len(letter.value or b"")
-            outgoing = _by_reference(letter) if size > DLQ_INLINE_LIMIT else letter
+            outgoing = by_reference(letter) if needs_reference(letter) else letter
             stored.append(self._produce_dead_letter(outgoing, index, failures))
         remaining = self._dlq.flush(30)
         retry: list[tuple[int, KafkaError]] = []
         for index, err in failures:
             if err.code() in _TOO_LARGE and not stored[index].by_reference:
                 # The broker's or topic's limit is lower than we assumed: send a reference.
-                stored[index] = self._produce_dead_letter(
-                    _by_reference(stored[index]), index, retry
-                )
+                stored[index] = self._produce_dead_letter(by_reference(stored[index]), index, retry)
             else:
                 retry.append((index, err))
         if failures:
@@ -630,17 +619,8 @@ class BatchProjector:
             if err is not None:
                 failures.append((index, err))
 
-        c = item.coordinates
         while True:
-            headers: list[tuple[str, str | bytes | None]] = [
-                ("opledger-dlq-reason", item.reason.encode("utf-8", "backslashreplace")[:4000]),
-                ("opledger-source-topic", c.topic.encode()),
-                ("opledger-source-partition", str(c.partition).encode()),
-                ("opledger-source-offset", str(c.offset).encode()),
-                ("opledger-source-timestamp-ms", str(item.timestamp_ms).encode()),
-            ]
-            if item.by_reference:
-                headers.append(("opledger-dlq-by-reference", b"1"))
+            headers = dead_letter_headers(item)
             try:
                 self._dlq.produce(
                     self._config.dead_letter_topic,
@@ -656,7 +636,7 @@ class BatchProjector:
                 if item.by_reference:
                     raise
                 log.warning("dead letter refused by the producer (%s); sending a reference", exc)
-                item = _by_reference(item)
+                item = by_reference(item)
 
     # -- metrics ----------------------------------------------------------------------------------
 
@@ -728,31 +708,6 @@ class BatchProjector:
             observe(lag if lag > 0.0 else 0.0)
         if report.anomalies["execution"] or report.anomalies["delivery"]:
             log.warning("batch stored %s anomalies", report.anomalies)
-
-
-def _by_reference(item: DeadLetter) -> DeadLetter:
-    """A dead letter that points at its record instead of carrying it."""
-    value = item.value or b""
-    c = item.coordinates
-    reference = {
-        "by_reference": True,
-        "source": {"topic": c.topic, "partition": c.partition, "offset": c.offset},
-        "size_bytes": len(value),
-        "key_size_bytes": len(item.key or b""),
-        "sha256": hashlib.sha256(value).hexdigest(),
-        "prefix_base64": base64.b64encode(value[:DLQ_PREFIX_BYTES]).decode(),
-        "reason": item.reason,
-    }
-    key = item.key if item.key is None or len(item.key) <= 1024 else item.key[:1024]
-    return DeadLetter(
-        c,
-        item.reason,
-        key,
-        json.dumps(reference, sort_keys=True).encode(),
-        item.timestamp_ms,
-        by_reference=True,
-        size_bytes=len(value),
-    )
 
 
 def _behind_rewind(read: _Read, rewound: dict[tuple[str, int], int]) -> bool:

@@ -70,6 +70,7 @@ from ledger.codec import (
     default_codec,
     schema_dirs,
 )
+from ledger.dead_letters import DLQ_INLINE_LIMIT
 from ledger.domain.events import (
     READING,
     DeliveryTransitioned,
@@ -85,7 +86,7 @@ from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.metrics import Metrics
 from ledger.settings import Settings
 from opledger.workload import Workload
-from processors.batch_reader import DLQ_INLINE_LIMIT, BatchProjector
+from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
 from tests.support import (
     Expected,

@@ -14,6 +14,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
+from ledger.dead_letters import DLQ_INLINE_LIMIT
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.kafka import partition_for
@@ -21,7 +22,7 @@ from ledger.metrics import Metrics
 from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
 from opledger.workload import Workload
-from processors.batch_reader import DLQ_INLINE_LIMIT, BatchProjector
+from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
 from tests.support import (
     assert_projection_matches,
