@@ -32,6 +32,7 @@ class ConsumerMetrics:
     republished: Counter
     publish_failures: Counter
     result_fetches: Counter
+    dead_letters: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ConsumerMetrics:
@@ -67,7 +68,8 @@ class ConsumerMetrics:
                 "opledger_consumer_result_fetches_total",
                 "Fetches of results delivered by reference, by outcome: fetched (size and "
                 "sha256 checked), unavailable (the receiver answers 503, the queue consumer "
-                "tries again), refused (422; the queue consumer skips the record).",
+                "tries again until its hold limit), refused (422; the queue consumer "
+                "dead-letters the record).",
                 ["consumer", "outcome"],
                 registry=registry,
             ),
@@ -87,8 +89,16 @@ class ConsumerMetrics:
             queue_records=Counter(
                 "opledger_consumer_queue_records_total",
                 "Queue records handled by outcome: accepted, duplicate, conflict, or the problem "
-                "type of a record refused and skipped.",
+                "type of a record refused and dead-lettered.",
                 ["consumer", "outcome"],
+                registry=registry,
+            ),
+            dead_letters=Counter(
+                "opledger_consumer_dead_letters_total",
+                "Queue records put on the consumers' dead-letter topic instead of being taken, "
+                "by kind: invalid, refused (fetched bytes not the result), conflict (key taken "
+                "with another body), unfetchable (result not fetched within the hold limit).",
+                ["consumer", "kind"],
                 registry=registry,
             ),
             restore_seconds=Gauge(

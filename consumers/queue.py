@@ -6,23 +6,30 @@ trust boundary here (whoever may write the topic is trusted by its ACLs, as whoe
 so what a signature proves over HTTP is proved by the broker's authentication.
 
 Records are handled one by one in partition order; the Kafka offsets of a batch are committed
-only after every record of it was committed to the inbox (or refused). A crash in between makes
-Kafka redeliver records whose keys the inbox (or the view) already holds: they are counted as
-duplicates and not applied again. A record that is not a valid event is logged with its
-coordinates (never its value), counted, and skipped: nothing a topic holds stops the consumer.
+only after every record of it was committed to the inbox or dead-lettered. A crash in between
+makes Kafka redeliver records whose keys the inbox (or the view) already holds: they are counted
+as duplicates and not applied again.
+
+Nothing a topic holds stops the consumer, and nothing it does not take is lost: a record that is
+not a valid event, a result whose fetched bytes are not the result, and a key already taken with
+another body are put whole on the consumers' dead-letter topic with the reason
+(:mod:`consumers.dead_letters`, decision 017), counted, logged with their coordinates (never
+their value), and passed. ``opledger consumer redrive`` puts them back.
 
 A result too large for a record comes by reference (decision 016): the consumer fetches it with
 a ``GET`` signed with the queue destination's fetch secret, before recording, exactly as the
 receiver does. The record was acknowledged to the ledger when it was appended, so nobody will
 send it again: when a fetch cannot be made now, nothing of that record's partition in the batch
 is recorded or committed; the consumer seeks that partition back, pauses it, and reads it again
-after a backoff of its own, until the fetch is made. The other partitions go on meanwhile: one
-result that cannot be fetched holds back only the records queued behind it. A database that does
-not answer is waited out by the whole batch the same way (each attempt is short, so a long outage
-does not cost the consumer its group membership). Bytes that are not the result are refused and
-skipped like any invalid record: fetching them again would give the same bytes. A pass fetches
-at most :data:`MAX_FETCHED_BYTES_PER_PASS` of results (they are held in memory until its batch
-is recorded); the records past that budget are read again by the next pass.
+after a backoff of its own, until the fetch is made or the record has waited
+``OPLEDGER_CONSUMER_HOLD_LIMIT_S``: then it is dead-lettered like the others and its partition
+goes on (a reference the ledger answers 404 forever, forged or misrouted, holds its partition
+that long, not for good). The other partitions go on meanwhile: one result that cannot be fetched
+holds back only the records queued behind it. A database or a dead-letter topic that does not
+answer is waited out by the whole batch the same way (each attempt is short, so a long outage
+does not cost the consumer its group membership). A pass fetches at most
+:data:`MAX_FETCHED_BYTES_PER_PASS` of results (they are held in memory until its batch is
+recorded); the records past that budget are read again by the next pass.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -45,10 +53,13 @@ from consumers.contract import (
     body_too_large,
     invalid_event,
     key_mismatch,
+    key_reused,
     malformed_body,
     parse_event,
     parse_idempotency_key,
+    result_unavailable,
 )
+from consumers.dead_letters import DeadLetterUnavailableError, QueueDeadLetters
 from consumers.dedup import Decision
 from consumers.fetch import ResultFetcher
 from consumers.inbox import Inbox, Recorded, Verdict
@@ -56,6 +67,7 @@ from consumers.runtime import ConsumerRuntime
 from ledger.faults import fault_point
 from ledger.kafka import consumer_config
 from ledger.pg import DatabaseUnavailableError
+from ledger.records import Coordinates, DeadLetter
 
 log = logging.getLogger("opledger.consumer.queue")
 
@@ -82,6 +94,33 @@ def _headers(message: Any) -> dict[str, list[str]]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class _TakenOut:
+    """A record the consumer does not take, and why: it is dead-lettered, then passed."""
+
+    partition: Partition
+    message: Any
+    problem: ProblemError
+    #: invalid, refused (the bytes are not the result), conflict, unfetchable (hold limit)
+    kind: str
+
+    @property
+    def offset(self) -> int:
+        return int(self.message.offset())
+
+    def letter(self) -> DeadLetter:
+        message = self.message
+        _kind, timestamp_ms = message.timestamp()
+        return DeadLetter(
+            Coordinates(message.topic(), message.partition(), message.offset()),
+            f"{self.problem.problem.slug}: {self.problem.problem.detail}",
+            message.key(),
+            message.value(),
+            timestamp_ms,
+            headers=tuple(message.headers() or ()),
+        )
+
+
 class QueueConsumer:
     """Consumes one queue topic into ``runtime``'s inbox, in consumer group ``group_id``.
 
@@ -100,6 +139,7 @@ class QueueConsumer:
         kafka_config: Mapping[str, Any] | None = None,
         results_url: str | None = None,
         max_fetched_bytes: int = MAX_FETCHED_BYTES_PER_PASS,
+        hold_limit_s: float | None = None,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -121,6 +161,14 @@ class QueueConsumer:
             else None
         )
         self._max_fetched_bytes = max_fetched_bytes
+        #: how long a record's result may stay unfetchable before it is dead-lettered
+        self.hold_limit_s = (
+            runtime.settings.consumer_hold_limit_s if hold_limit_s is None else hold_limit_s
+        )
+        #: when the fetch of each held record (by partition and offset) first failed
+        self._failing_since: dict[tuple[Partition, int], float] = {}
+        self._dead_letters: QueueDeadLetters | None = None
+        self._dead_lettered = runtime.metrics.dead_letters
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
         self._held: dict[Partition, float] = {}
@@ -141,6 +189,7 @@ class QueueConsumer:
             self.runtime.start()
         self._loop = asyncio.new_event_loop()
         self._inbox = self._loop.run_until_complete(self.runtime.open_inbox(1))
+        self._dead_letters = QueueDeadLetters(self.runtime.settings, self.runtime.name)
         if self._fetcher is not None:
             self._loop.run_until_complete(self._fetcher.start())
         config = consumer_config(
@@ -166,15 +215,21 @@ class QueueConsumer:
 
     def _on_revoke(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         # A new owner reads them from the last committed offset: nothing of ours is held.
-        for tp in partitions:
-            self._held.pop((tp.topic, tp.partition), None)
-            self._hold_delays.pop((tp.topic, tp.partition), None)
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        for partition in revoked:
+            self._held.pop(partition, None)
+            self._hold_delays.pop(partition, None)
+        for key in [k for k in self._failing_since if k[0] in revoked]:
+            del self._failing_since[key]
 
     def close(self) -> None:
         """Leave the group (the runtime stays open: its owner closes it)."""
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self._dead_letters is not None:
+            self._dead_letters.close()
+            self._dead_letters = None
         if self._loop is not None:
             if self._inbox is not None:
                 self._loop.run_until_complete(self._inbox.close())
@@ -199,8 +254,8 @@ class QueueConsumer:
         messages = self._consumer.consume(self._batch, timeout_s)
         first: dict[Partition, int] = {}
         positions: dict[Partition, int] = {}
-        entries: list[tuple[Partition, int, Event]] = []
-        invalid: list[tuple[Partition, Any, ProblemError]] = []
+        entries: list[tuple[Partition, Any, Event]] = []
+        taken_out: list[_TakenOut] = []
         for message in messages:
             error = message.error()
             if error is not None:
@@ -211,36 +266,40 @@ class QueueConsumer:
             first.setdefault(partition, message.offset())
             positions[partition] = message.offset() + 1
             try:
-                entries.append((partition, message.offset(), _parse(message)))
+                entries.append((partition, message, _parse(message)))
             except ProblemError as exc:
-                invalid.append((partition, message, exc))
+                taken_out.append(_TakenOut(partition, message, exc, "invalid"))
         if later := self._past_the_fetch_budget(entries):
             # Read again by the next pass; only what came before them is handled and committed.
             self._rewind(later)
-            entries = [(p, o, e) for p, o, e in entries if p not in later or o < later[p]]
-            invalid = [i for i in invalid if i[0] not in later or i[1].offset() < later[i[0]]]
+            entries = [(p, m, e) for p, m, e in entries if p not in later or m.offset() < later[p]]
+            taken_out = [
+                t for t in taken_out if t.partition not in later or t.offset < later[t.partition]
+            ]
             positions.update(later)
-        fetched, unfetched, refused = self._with_results([(p, e) for p, _o, e in entries])
+        fetched, unfetched, refused = self._with_results(entries)
+        taken_out += refused
         if unfetched:
             # Nothing of these partitions in this batch is recorded or committed.
             self._hold({p: first[p] for p in unfetched})
-        events = [e for p, e in fetched if p not in unfetched]
         going_on = {p: o for p, o in first.items() if p not in unfetched}
-        if events and not self._decide(events):
+        conflicts = self._decide([(p, m, e) for p, m, e in fetched if p not in unfetched])
+        if conflicts is None:
             # The database did not answer: commit nothing, read the batch again after a
             # backoff (what was recorded is then a duplicate).
-            self._rewind(going_on)
-            self._stop.wait(self._retry_delay)
-            self._retry_delay = min(self._retry_delay * 2, MAX_RETRY_DELAY_S)
-            return len(messages)
+            return self._again(going_on, len(messages))
+        taken_out = [t for t in [*taken_out, *conflicts] if t.partition not in unfetched]
+        if taken_out:
+            assert self._dead_letters is not None
+            try:
+                self._dead_letters.publish([(t.letter(), t.kind) for t in taken_out])
+            except DeadLetterUnavailableError as exc:
+                log.warning("queue: the batch waits for the dead-letter topic: %s", exc)
+                return self._again(going_on, len(messages))
         self._retry_delay = FIRST_RETRY_DELAY_S
         # Counted once, when their partition goes on without them.
-        for partition, event, problem in refused:
-            if partition not in unfetched:
-                self._refused(event, problem)
-        for partition, message, problem in invalid:
-            if partition not in unfetched:
-                self._skip(message, problem)
+        for item in taken_out:
+            self._count_taken_out(item)
         for partition in going_on:
             self._hold_delays.pop(partition, None)
         offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items() if (t, p) in going_on]
@@ -252,26 +311,39 @@ class QueueConsumer:
                 # The group moved on (a rebalance): the partitions' new owner reads these
                 # records again and finds their keys already taken.
                 log.warning("queue: offsets not committed: %s", exc.args[0])
+            self._forget_failures_before(
+                {(t, p): o for (t, p), o in positions.items() if (t, p) in going_on}
+            )
         return len(messages)
 
-    def _decide(self, events: list[Event]) -> bool:
-        """Dedup and record ``events`` (in rounds of distinct keys); False if the database did
-        not answer (the rounds before are recorded)."""
+    def _again(self, going_on: dict[Partition, int], handled: int) -> int:
+        """Read ``going_on`` again from its first offsets after a backoff; commit nothing."""
+        self._rewind(going_on)
+        self._stop.wait(self._retry_delay)
+        self._retry_delay = min(self._retry_delay * 2, MAX_RETRY_DELAY_S)
+        return handled
+
+    def _decide(self, entries: list[tuple[Partition, Any, Event]]) -> list[_TakenOut] | None:
+        """Dedup and record the events of ``entries`` (in rounds of distinct keys); returns
+        those whose key was taken earlier with another body, or None if the database did not
+        answer (the rounds before are recorded)."""
         dedup = self.runtime.dedup
-        pending = events
+        conflicts: list[_TakenOut] = []
+        pending = entries
         while pending:
-            wave: list[Event] = []
-            later: list[Event] = []
+            wave: list[tuple[Partition, Any, Event]] = []
+            later: list[tuple[Partition, Any, Event]] = []
             seen: set[str] = set()
-            for event in pending:
-                (later if event.operation_id in seen else wave).append(event)
-                seen.add(event.operation_id)
-            known = {e.operation_id: dedup.known(e) for e in wave}
-            unknown = [e for e in wave if known[e.operation_id] is None]
+            for entry in pending:
+                operation_id = entry[2].operation_id
+                (later if operation_id in seen else wave).append(entry)
+                seen.add(operation_id)
+            known = {e.operation_id: dedup.known(e) for _p, _m, e in wave}
+            unknown = [e for _p, _m, e in wave if known[e.operation_id] is None]
             recorded = self._record(unknown) if unknown else {}
             if recorded is None:
-                return False
-            for event in wave:
+                return None
+            for partition, message, event in wave:
                 decision = known[event.operation_id]
                 result = recorded.get(event.operation_id)
                 if decision is None:
@@ -281,87 +353,95 @@ class QueueConsumer:
                 dedup.settle(event, decision, result, "queue")
                 self._metric.labels(self.runtime.name, decision.verdict.value).inc()
                 if decision.verdict is Verdict.CONFLICT:
-                    log.warning(
-                        "queue: %s was accepted earlier with another body; not applied",
-                        event.operation_id,
-                    )
+                    problem = key_reused(event.operation_id)
+                    conflicts.append(_TakenOut(partition, message, problem, "conflict"))
             pending = later
-        return True
+        return conflicts
 
     def _past_the_fetch_budget(
-        self, entries: list[tuple[Partition, int, Event]]
+        self, entries: list[tuple[Partition, Any, Event]]
     ) -> dict[Partition, int]:
         """Per partition, the offset of its first record whose result would take this pass's
         fetches over their byte budget (that record and the rest of its partition wait)."""
         spent = 0
         later: dict[Partition, int] = {}
-        for partition, offset, event in entries:
+        for partition, message, event in entries:
             size = event.body.result_size
             if partition in later or event.result is not None or size is None:
                 continue
             if self.runtime.dedup.known(event) is not None:
                 continue  # decided without a fetch
             if spent and spent + size > self._max_fetched_bytes:
-                later[partition] = offset
+                later[partition] = message.offset()
             else:
                 spent += size
         return later
 
     def _with_results(
-        self, entries: list[tuple[Partition, Event]]
-    ) -> tuple[
-        list[tuple[Partition, Event]], set[Partition], list[tuple[Partition, Event, ProblemError]]
-    ]:
-        """``entries`` with each result by reference fetched, less those whose fetched bytes
-        were refused (returned apart, to be counted once their partition goes on); and the
-        partitions holding a result that could not be fetched now. Keys the view already holds
-        are decided without fetching, as the receiver does."""
+        self, entries: list[tuple[Partition, Any, Event]]
+    ) -> tuple[list[tuple[Partition, Any, Event]], set[Partition], list[_TakenOut]]:
+        """``entries`` with each result by reference fetched, less those taken out (returned
+        apart, to be dead-lettered once their partition goes on): bytes that are not the result,
+        and results not fetched for :attr:`hold_limit_s`; and the partitions holding a result
+        that could not be fetched now. Keys the view already holds are decided without fetching,
+        as the receiver does."""
         assert self._loop is not None
         wanted: dict[tuple[str, bytes], Event] = {}
-        where: dict[tuple[str, bytes], set[Partition]] = {}
-        for partition, e in entries:
+        for _partition, _message, e in entries:
             if e.result is None and self.runtime.dedup.known(e) is None:
-                key = (e.operation_id, e.fingerprint)
-                wanted.setdefault(key, e)
-                where.setdefault(key, set()).add(partition)
+                wanted.setdefault((e.operation_id, e.fingerprint), e)
         if not wanted:
             return entries, set(), []
-        got: dict[tuple[str, bytes], Event] = {}
         if self._fetcher is None:
             missing = invalid_event("no fetch secret is configured for this consumer")
             answers: list[Event | BaseException] = [missing] * len(wanted)
         else:
             answers = self._loop.run_until_complete(_fetch_all(self._fetcher, [*wanted.values()]))
-        unfetched: set[Partition] = set()
-        refused_keys: dict[tuple[str, bytes], ProblemError] = {}
+        got: dict[tuple[str, bytes], Event | BaseException] = {}
         for key, answer in zip(wanted, answers, strict=True):
             if isinstance(answer, Event):
                 self._fetches.labels(self.runtime.name, "fetched").inc()
-                got[key] = answer
             elif isinstance(answer, ProblemError) and answer.problem.status == 422:
-                refused_keys[key] = answer
+                pass  # counted as refused when its partition goes on
             elif isinstance(answer, Exception):
                 self._fetches.labels(self.runtime.name, "unavailable").inc()
-                detail = answer.problem.detail if isinstance(answer, ProblemError) else ""
-                log.warning(
-                    "queue: %s's result not fetched yet (its partition is read again): %s",
-                    key[0],
-                    detail or type(answer).__name__,
-                )
-                unfetched |= where[key]
             else:
                 raise answer
-        kept: list[tuple[Partition, Event]] = []
-        refused: list[tuple[Partition, Event, ProblemError]] = []
-        for partition, e in entries:
-            key = (e.operation_id, e.fingerprint)
-            if key not in wanted:
-                kept.append((partition, e))
-            elif key in got:
-                kept.append((partition, got[key]))
-            elif key in refused_keys:
-                refused.append((partition, e, refused_keys[key]))
-        return kept, unfetched, refused
+            got[key] = answer
+        now = time.monotonic()
+        kept: list[tuple[Partition, Any, Event]] = []
+        unfetched: set[Partition] = set()
+        taken_out: list[_TakenOut] = []
+        for partition, message, e in entries:
+            answer = got.get((e.operation_id, e.fingerprint), e)
+            if isinstance(answer, Event):
+                kept.append((partition, message, answer))
+            elif isinstance(answer, ProblemError) and answer.problem.status == 422:
+                taken_out.append(_TakenOut(partition, message, answer, "refused"))
+            else:
+                detail = answer.problem.detail if isinstance(answer, ProblemError) else ""
+                detail = detail or type(answer).__name__
+                since = self._failing_since.setdefault((partition, message.offset()), now)
+                if now - since < self.hold_limit_s:
+                    log.warning(
+                        "queue: %s's result not fetched yet (its partition is read again): %s",
+                        e.operation_id,
+                        detail,
+                    )
+                    unfetched.add(partition)
+                    continue
+                problem = result_unavailable(
+                    f"the result could not be fetched for {now - since:.0f} s "
+                    f"(hold limit {self.hold_limit_s:g} s): {detail}"
+                )
+                taken_out.append(_TakenOut(partition, message, problem, "unfetchable"))
+        return kept, unfetched, taken_out
+
+    def _forget_failures_before(self, positions: Mapping[Partition, int]) -> None:
+        """Drop the failed-fetch clocks of records now committed past."""
+        for partition, offset in list(self._failing_since):
+            if partition in positions and offset < positions[partition]:
+                del self._failing_since[(partition, offset)]
 
     def _hold(self, first: dict[Partition, int]) -> None:
         """Seek each partition back to ``first`` and pause it for its own backoff."""
@@ -400,13 +480,20 @@ class QueueConsumer:
                 # No longer ours: its new owner reads it from the last committed offset.
                 log.info("queue: not rewound %s[%d]: %s", topic, partition, exc)
 
-    def _refused(self, event: Event, problem: ProblemError) -> None:
-        self._fetches.labels(self.runtime.name, "refused").inc()
-        self._metric.labels(self.runtime.name, problem.problem.slug).inc()
+    def _count_taken_out(self, item: _TakenOut) -> None:
+        problem = item.problem.problem
+        if item.kind == "refused":
+            self._fetches.labels(self.runtime.name, "refused").inc()
+        if item.kind != "conflict":  # a conflict was counted as such when it was decided
+            self._metric.labels(self.runtime.name, problem.slug).inc()
+        self._dead_lettered.labels(self.runtime.name, item.kind).inc()
         log.warning(
-            "queue: %s's result by reference refused and skipped: %s",
-            event.operation_id,
-            problem.problem.detail,
+            "queue record %s[%d]@%d dead-lettered (%s): %s",
+            item.partition[0],
+            item.partition[1],
+            item.offset,
+            item.kind,
+            problem.detail,
         )
 
     def _record(self, events: list[Event]) -> dict[str, Recorded] | None:
@@ -417,16 +504,6 @@ class QueueConsumer:
             log.warning("queue: the batch waits for the database: %s", exc)
             return None
         return {e.operation_id: r for e, r in zip(events, results, strict=True)}
-
-    def _skip(self, message: Any, problem: ProblemError) -> None:
-        self._metric.labels(self.runtime.name, problem.problem.slug).inc()
-        log.warning(
-            "queue record %s[%d]@%d refused and skipped: %s",
-            message.topic(),
-            message.partition(),
-            message.offset(),
-            problem.problem.detail,
-        )
 
 
 async def _fetch_all(fetcher: ResultFetcher, events: list[Event]) -> list[Event | BaseException]:

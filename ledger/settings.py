@@ -168,6 +168,10 @@ class Settings:
     #: delivery worker opens to one destination; behind a proxy that connects from one address,
     #: or for several delivery workers on one host, raise it.
     consumer_max_connections_per_client: int = 256
+    #: OPLEDGER_CONSUMER_HOLD_LIMIT_S: how long a queue consumer holds back a partition whose
+    #: record names a result it cannot fetch, before it dead-letters that record and goes on
+    #: (decision 017). Counted from the first failed fetch, by the partition's current owner.
+    consumer_hold_limit_s: int = 3600
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.
     fault_points: str = ""
@@ -219,6 +223,7 @@ class Settings:
             consumer_max_connections_per_client=_int(
                 env, "OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT", 256
             ),
+            consumer_hold_limit_s=_int(env, "OPLEDGER_CONSUMER_HOLD_LIMIT_S", 3600),
             fault_points=env.get("OPLEDGER_FAULT_POINTS", ""),
             log_level=env.get("OPLEDGER_LOG_LEVEL", "INFO"),
         )
@@ -259,6 +264,7 @@ class Settings:
             ("consumer_request_timeout_s", 1),
             ("consumer_max_connections", 1),
             ("consumer_max_connections_per_client", 1),
+            ("consumer_hold_limit_s", 1),
         ):
             if getattr(self, name) < least:
                 raise SettingsError(
@@ -344,6 +350,11 @@ class Settings:
     def consumer_keys_topic(self) -> str:
         """The compacted key store of the consumers' accepted operation ids."""
         return f"{self.topic_prefix}.consumer-keys.v1"
+
+    @property
+    def consumer_dead_letter_topic(self) -> str:
+        """Where the queue consumers put the records they cannot take, with the reason."""
+        return f"{self.topic_prefix}.consumer-deadletter.v1"
 
     @property
     def execution_topic(self) -> str:

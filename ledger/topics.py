@@ -103,9 +103,20 @@ def consumer_keys_topic_spec(settings: Settings) -> TopicSpec:
     return TopicSpec(settings.consumer_keys_topic, settings.partitions, _CONSUMER_KEYS_CONFIG)
 
 
+def consumer_dead_letter_topic_spec(settings: Settings) -> TopicSpec:
+    """The queue consumers' dead letters: kept like the logs, as they may be redriven."""
+    return TopicSpec(settings.consumer_dead_letter_topic, settings.partitions, _LOG_CONFIG)
+
+
 def all_topic_specs(settings: Settings) -> list[TopicSpec]:
-    """Every topic opledger writes: the logs, the policy topic and the consumer key store."""
-    return [*topic_specs(settings), policy_topic_spec(settings), consumer_keys_topic_spec(settings)]
+    """Every topic opledger writes: the logs, the policy topic, the consumer key store and the
+    consumers' dead letters."""
+    return [
+        *topic_specs(settings),
+        policy_topic_spec(settings),
+        consumer_keys_topic_spec(settings),
+        consumer_dead_letter_topic_spec(settings),
+    ]
 
 
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:

@@ -159,6 +159,39 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def redrive(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger consumer redrive --topic T``: put a queue's dead letters back on it."""
+    from consumers.dead_letters import DeadLetterUnavailableError  # noqa: PLC0415
+    from consumers.dead_letters import redrive as put_back  # noqa: PLC0415
+
+    _setup(settings)
+    try:
+        report = put_back(settings, args.topic, kinds=args.kind or (), at=args.at or ())
+    except DeadLetterUnavailableError as exc:
+        print(f"opledger: {exc}; nothing is lost, run the redrive again", file=sys.stderr)
+        return 1
+    for c in report.redriven:
+        print(f"redriven {c.topic}[{c.partition}]@{c.offset}")
+    for c in report.by_reference:
+        print(
+            f"not redriven {c.topic}[{c.partition}]@{c.offset}: its dead letter holds only a "
+            "reference (the record was too large to republish); read it at its coordinates"
+        )
+    print(
+        f"{len(report.redriven)} record(s) put back on {args.topic}; the consumers take each "
+        "key at most once",
+        flush=True,
+    )
+    return 0
+
+
+def _coordinates(raw: str) -> tuple[int, int]:
+    partition, sep, offset = raw.partition(":")
+    if not sep or not partition.isdigit() or not offset.isdigit():
+        raise argparse.ArgumentTypeError(f"not PARTITION:OFFSET: {raw!r}")
+    return int(partition), int(offset)
+
+
 def _port(raw: str) -> int:
     port = int(raw)
     if not 0 <= port <= 65535:
@@ -167,7 +200,7 @@ def _port(raw: str) -> int:
 
 
 def register(commands: Any) -> None:
-    """``opledger consumer run|queue``."""
+    """``opledger consumer run|queue|redrive``."""
     parser = commands.add_parser(
         "consumer", help="the reference consumer: POST /events receiver and queue consumer"
     )
@@ -214,3 +247,22 @@ def register(commands: Any) -> None:
             "destination's fetch secret only for results delivered by reference",
         )
     queue_parser.set_defaults(handler="opledger.consumer:queue")
+    redrive_parser = actions.add_parser(
+        "redrive",
+        help="put a queue topic's dead letters (records its consumers could not take) back on it",
+    )
+    redrive_parser.add_argument("--topic", required=True, help="the queue destination's topic")
+    redrive_parser.add_argument(
+        "--kind",
+        action="append",
+        choices=("invalid", "refused", "conflict", "unfetchable"),
+        help="only dead letters of this kind (repeatable; default: every kind)",
+    )
+    redrive_parser.add_argument(
+        "--at",
+        action="append",
+        type=_coordinates,
+        metavar="PARTITION:OFFSET",
+        help="only the dead letter of the record at these source coordinates (repeatable)",
+    )
+    redrive_parser.set_defaults(handler="opledger.consumer:redrive")

@@ -16,6 +16,8 @@ import logging
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -44,7 +46,7 @@ from ledger.result_fetch import result_url
 from ledger.settings import Settings
 from ledger.topics import end_offsets
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
-from tests.support import read_all
+from tests.support import env_for, read_all
 from tests.tcp_proxy import TcpProxy
 
 # --- a receiver in a thread of the test process --------------------------------------------------
@@ -973,6 +975,11 @@ def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -
     assert (
         sum(v for k, v in by_outcome.items() if k not in ("accepted", "duplicate", "conflict")) == 5
     )
+    # What was not taken is kept whole on the dead-letter topic, with why.
+    letters = _dead_letters_of(consumer_settings, topic)
+    assert Counter(letter["kind"] for letter in letters) == {"invalid": 5, "conflict": 1}
+    invalid = [(d["key"], d["value"]) for d in letters if d["kind"] == "invalid"]
+    assert Counter(invalid) == Counter((record["key"], record["value"]) for record in malformed)
 
     # Offsets were committed after the inbox: the group has nothing left to read.
     group = f"{consumer_settings.topic_prefix}-consumer-queue-crm"
@@ -1366,3 +1373,168 @@ def test_one_pass_fetches_results_up_to_its_byte_budget(consumer_settings: Setti
     assert max(per_pass) == 2, f"2 results of 1,000 bytes fit in 2,500, not 3: {per_pass}"
     assert server.requests == Counter(dict.fromkeys(ops, 1)), "each fetched once, none again"
     assert changes_per_operation(consumer_settings) == Counter(dict.fromkeys([*ops, inline], 1))
+
+
+REDRIVE = [sys.executable, "-m", "opledger.cli", "consumer", "redrive"]
+
+
+def _dead_letters_of(settings: Settings, topic: str) -> list[dict[str, Any]]:
+    """The consumers' dead letters of records from ``topic``, oldest first per partition."""
+    dlq = settings.consumer_dead_letter_topic
+    ends = end_offsets(settings, [dlq])
+    reader = Consumer(
+        {
+            "bootstrap.servers": settings.bootstrap_servers,
+            "group.id": "verifier",
+            "enable.auto.commit": False,
+        }
+    )
+    reader.assign([TopicPartition(dlq, p, 0) for (_, p) in ends])
+    remaining = sum(ends.values())
+    letters: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 60
+    while remaining > 0:
+        assert time.monotonic() < deadline, f"{remaining} dead letters not read back"
+        for m in reader.consume(1000, 0.5):
+            if m.error():
+                continue
+            remaining -= 1
+            headers = [(k, v) for k, v in m.headers() or []]
+            named = dict(headers)
+            if named.get("opledger-source-topic") != topic.encode():
+                continue
+            letters.append(
+                {
+                    "at": (
+                        int(named["opledger-source-partition"]),
+                        int(named["opledger-source-offset"]),
+                    ),
+                    "kind": named["opledger-dlq-kind"].decode(),
+                    "reason": named["opledger-dlq-reason"].decode(),
+                    "key": m.key(),
+                    "value": m.value(),
+                    "own_headers": [h for h in headers if not h[0].startswith("opledger-")],
+                }
+            )
+    reader.close()
+    return sorted(letters, key=lambda letter: letter["at"])
+
+
+def _counted(counter: Any, label: str) -> dict[str, float]:
+    return {
+        dict(s.labels)[label]: s.value
+        for metric in counter.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_what_the_queue_consumer_cannot_take_is_dead_lettered_whole_and_redriven_once(
+    consumer_settings: Settings,
+) -> None:
+    """Four records a queue consumer cannot take, each ahead of one it can: a reference the
+    ledger never serves (past a 3 s hold limit), a record that is not an event, a reference
+    whose bytes are not the result, and a key taken earlier with another body. Each goes whole
+    to the dead-letter topic with its kind and reason; every partition goes on and is committed
+    to its end. A redrive of the unfetchable one, once its result is served, applies it once;
+    a second redrive of everything applies nothing more."""
+    topic = _queue_topic(consumer_settings)
+    never, wrong_bytes = new_op_id(), new_op_id()
+    good = [new_op_id() for _ in range(4)]
+    result = os.urandom(2048)
+    server = _ResultServer({wrong_bytes: os.urandom(2048)})  # served, but not `result`
+    records = [
+        _queue_record(never, _by_reference_body(never, result, server.base_url), partition=0),
+        _queue_record(good[0], event_body(good[0]), partition=0),
+        _queue_record(good[1], b"{not json", partition=1),
+        _queue_record(
+            wrong_bytes, _by_reference_body(wrong_bytes, result, server.base_url), partition=1
+        ),
+        _queue_record(good[2], event_body(good[2]), partition=1),
+        _queue_record(good[3], event_body(good[3]), partition=2),
+        _queue_record(good[3], event_body(good[3], tenant="other"), partition=2),
+    ]
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-dlq"
+    hold_limit_s = 3.0
+
+    consumer = _fetching_consumer(
+        consumer_settings, topic, group, server.base_url, hold_limit_s=hold_limit_s
+    )
+    runtime = consumer.runtime
+    try:
+        consumer.open()
+        started = time.monotonic()
+        deadline = started + 60
+        while _committed(consumer_settings, group, topic) != {0: 2, 1: 3, 2: 2}:
+            assert time.monotonic() < deadline, _committed(consumer_settings, group, topic)
+            consumer.run_once(timeout_s=0.2)
+            if time.monotonic() - started < hold_limit_s - 0.5:
+                assert good[0] not in changes_per_operation(consumer_settings), (
+                    "the record behind the unfetchable one waits until its hold limit"
+                )
+        assert time.monotonic() - started >= hold_limit_s, "dead-lettered before its hold limit"
+        consumer.close()
+        dead = _counted(runtime.metrics.dead_letters, "kind")
+    finally:
+        runtime.close()
+    assert dead == {"unfetchable": 1, "invalid": 1, "refused": 1, "conflict": 1}
+    assert changes_per_operation(consumer_settings) == Counter({good[0]: 1, good[2]: 1, good[3]: 1})
+    letters = _dead_letters_of(consumer_settings, topic)
+    assert [(letter["at"], letter["kind"]) for letter in letters] == [
+        ((0, 0), "unfetchable"),
+        ((1, 0), "invalid"),
+        ((1, 1), "refused"),
+        ((2, 1), "conflict"),
+    ]
+    sources = [records[0], records[2], records[3], records[6]]
+    for letter, source in zip(letters, sources, strict=True):
+        assert (letter["key"], letter["value"]) == (source["key"], source["value"]), "kept whole"
+        assert letter["own_headers"] == source["headers"], "its own headers kept"
+        assert letter["reason"]
+    assert "hold limit" in letters[0]["reason"]
+
+    # Served at last: a redrive of the unfetchable one puts it back on its partition, once.
+    server.results[never] = result
+    env = env_for(consumer_settings)
+    redriven = subprocess.run(
+        [*REDRIVE, "--topic", topic, "--kind", "unfetchable"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert redriven.returncode == 0, redriven.stderr
+    assert f"redriven {topic}[0]@0" in redriven.stdout
+    assert "1 record(s) put back" in redriven.stdout
+    # A second redrive of every kind: the unfetchable one again, and the three others.
+    again = subprocess.run(
+        [*REDRIVE, "--topic", topic],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "4 record(s) put back" in again.stdout
+
+    consumer = _fetching_consumer(consumer_settings, topic, group, server.base_url)
+    runtime = consumer.runtime
+    try:
+        consumer.open()
+        drain(consumer)
+        consumer.close()
+        outcomes = _counted(runtime.metrics.queue_records, "outcome")
+        dead = _counted(runtime.metrics.dead_letters, "kind")
+    finally:
+        runtime.close()
+        server.close()
+    assert server.requests[never] >= 1
+    assert changes_per_operation(consumer_settings) == Counter(
+        {never: 1, good[0]: 1, good[2]: 1, good[3]: 1}
+    ), "the redriven record applied once, nothing else applied again"
+    assert outcomes["accepted"] == 1 and outcomes["duplicate"] == 1
+    assert dead == {"invalid": 1, "refused": 1, "conflict": 1}, "taken out again, not applied"
+    assert _committed(consumer_settings, group, topic) == {0: 4, 1: 5, 2: 3}

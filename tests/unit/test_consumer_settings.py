@@ -24,6 +24,8 @@ def test_consumer_defaults() -> None:
     assert s.consumer_secret_list == ()
     assert s.consumer_keys_topic == "opledger.consumer-keys.v1"
     assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (75, 30)
+    assert s.consumer_hold_limit_s == 3600
+    assert s.consumer_dead_letter_topic == "opledger.consumer-deadletter.v1"
 
 
 def test_consumer_overrides() -> None:
@@ -39,6 +41,7 @@ def test_consumer_overrides() -> None:
             "OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S": "7",
             "OPLEDGER_CONSUMER_MAX_CONNECTIONS": "64",
             "OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT": "16",
+            "OPLEDGER_CONSUMER_HOLD_LIMIT_S": "90",
             "OPLEDGER_TOPIC_PREFIX": "t1",
         }
     )
@@ -52,6 +55,8 @@ def test_consumer_overrides() -> None:
     assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (5, 7)
     assert (s.consumer_max_connections, s.consumer_max_connections_per_client) == (64, 16)
     assert s.consumer_keys_topic == "t1.consumer-keys.v1"
+    assert s.consumer_hold_limit_s == 90
+    assert s.consumer_dead_letter_topic == "t1.consumer-deadletter.v1"
 
 
 @pytest.mark.parametrize(
@@ -69,6 +74,8 @@ def test_consumer_overrides() -> None:
         ("OPLEDGER_CONSUMER_REQUEST_TIMEOUT_S", "1.5"),
         ("OPLEDGER_CONSUMER_MAX_CONNECTIONS", "0"),
         ("OPLEDGER_CONSUMER_MAX_CONNECTIONS_PER_CLIENT", "0"),
+        ("OPLEDGER_CONSUMER_HOLD_LIMIT_S", "0"),
+        ("OPLEDGER_CONSUMER_HOLD_LIMIT_S", "1h"),
     ],
 )
 def test_bad_consumer_values_name_the_variable(name: str, raw: str) -> None:

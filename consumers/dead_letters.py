@@ -1,0 +1,244 @@
+"""Where a queue consumer puts the records it cannot take (decision 017).
+
+A record that is not a valid event, a result by reference whose bytes are not the result, a key
+already taken with another body, and a result that could not be fetched for longer than the
+hold limit: each goes, whole (key, value, its own headers), to the consumers' dead-letter topic
+with the reason and its coordinates, before the consumer commits its offset past it. Nothing is
+lost, the partition goes on, and ``opledger consumer redrive`` puts records back on their topic:
+the inbox refuses a key it already took, so a redrive applies a change at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+
+from ledger.dead_letters import (
+    BY_REFERENCE_HEADER,
+    by_reference,
+    dead_letter_headers,
+    needs_reference,
+    own_headers,
+    source_of,
+)
+from ledger.kafka import consumer_config, producer_config
+from ledger.records import Coordinates, DeadLetter
+from ledger.settings import Settings
+
+log = logging.getLogger("opledger.consumer.dead_letters")
+
+#: Header naming what kind of refusal a dead letter is (invalid, refused, conflict, unfetchable).
+KIND_HEADER = "opledger-dlq-kind"
+#: Header naming the consumer that refused the record.
+CONSUMER_HEADER = "opledger-dlq-consumer"
+#: Seconds the broker has to acknowledge a pass's dead letters.
+PUBLISH_TIMEOUT_S = 30.0
+_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+
+
+class DeadLetterUnavailableError(RuntimeError):
+    """The dead-letter topic did not acknowledge every record: nothing may be committed past
+    them yet."""
+
+
+class QueueDeadLetters:
+    """A producer of one consumer's dead letters; :meth:`publish` returns once the broker
+    acknowledged all of them."""
+
+    def __init__(self, settings: Settings, consumer: str) -> None:
+        self.topic = settings.consumer_dead_letter_topic
+        self._consumer = consumer.encode()
+        self._producer = Producer(
+            producer_config(
+                settings,
+                client_id=f"opledger-consumer-dlq-{consumer}",
+                delivery_timeout_s=PUBLISH_TIMEOUT_S,
+            )
+        )
+
+    def publish(self, letters: Sequence[tuple[DeadLetter, str]]) -> None:
+        """Publish each ``(letter, kind)``; a letter too large to republish goes as a reference.
+        Raises :class:`DeadLetterUnavailableError` if the broker did not acknowledge them all."""
+        failures: list[tuple[int, KafkaError]] = []
+        sent: list[DeadLetter] = []
+        for index, (letter, kind) in enumerate(letters):
+            outgoing = by_reference(letter) if needs_reference(letter) else letter
+            sent.append(self._produce(outgoing, kind, index, failures))
+        remaining = self._producer.flush(PUBLISH_TIMEOUT_S)
+        retry: list[tuple[int, KafkaError]] = []
+        for index, error in list(failures):
+            letter = sent[index]
+            if error.code() in _TOO_LARGE and not letter.by_reference:
+                self._produce(by_reference(letter), letters[index][1], index, retry)
+            else:
+                retry.append((index, error))
+        if failures:
+            remaining = self._producer.flush(PUBLISH_TIMEOUT_S)
+        if remaining or retry:
+            reasons = sorted({e.str() for _, e in retry}) or [f"{remaining} unacknowledged"]
+            raise DeadLetterUnavailableError(f"dead letters not published: {'; '.join(reasons)}")
+
+    def close(self) -> None:
+        self._producer.flush(PUBLISH_TIMEOUT_S)
+
+    def _produce(
+        self, letter: DeadLetter, kind: str, index: int, failures: list[tuple[int, KafkaError]]
+    ) -> DeadLetter:
+        def on_delivery(error: KafkaError | None, _message: Any) -> None:
+            if error is not None:
+                failures.append((index, error))
+
+        extra = [(KIND_HEADER, kind.encode()), (CONSUMER_HEADER, self._consumer)]
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic,
+                    key=letter.key,
+                    value=letter.value,
+                    headers=dead_letter_headers(letter, extra),
+                    on_delivery=on_delivery,
+                )
+                return letter
+            except BufferError:
+                self._producer.poll(0.05)
+            except KafkaException as exc:  # refused locally: too large for the client
+                if letter.by_reference:
+                    raise DeadLetterUnavailableError(str(exc)) from None
+                log.warning("dead letter refused by the producer (%s); sending a reference", exc)
+                letter = by_reference(letter)
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveReport:
+    """What :func:`redrive` put back, and what it could not."""
+
+    redriven: tuple[Coordinates, ...]
+    #: letters that carry only a reference to their record (too large to republish)
+    by_reference: tuple[Coordinates, ...]
+
+
+def redrive(
+    settings: Settings,
+    source_topic: str,
+    *,
+    kinds: Collection[str] = (),
+    at: Collection[tuple[int, int]] = (),
+    timeout_s: float = 30.0,
+) -> RedriveReport:
+    """Put the dead letters of ``source_topic`` back on it, each once, on its own partition,
+    with its own key, value and headers: the consumers read them again.
+
+    ``kinds`` and ``at`` (partition, offset of the source record) narrow the choice. Letters
+    are read from the start of the dead-letter topic to its end as of now; a record
+    dead-lettered twice (dead letters are published at least once) is redriven once, and a
+    redrive repeated, or of a key the consumer took since, is a duplicate to the consumer's
+    inbox: the change is applied at most once."""
+    letters = _letters_of(settings, source_topic, set(kinds), set(at), timeout_s)
+    references = _references(letters)
+    wanted = [m for c, m in letters.items() if c not in references]
+    producer = Producer(producer_config(settings, client_id="opledger-consumer-redrive"))
+    failures: list[KafkaError] = []
+
+    def on_delivery(error: KafkaError | None, _message: Any) -> None:
+        if error is not None:
+            failures.append(error)
+
+    for message in wanted:
+        source = source_of(_raw_headers(message))
+        assert source is not None  # _letters_of keeps only letters that name it
+        headers: list[tuple[str, str | bytes | None]] = [*own_headers(_raw_headers(message))]
+        producer.produce(
+            source_topic,
+            key=message.key(),
+            value=message.value(),
+            headers=headers,
+            partition=source.partition,
+            on_delivery=on_delivery,
+        )
+    remaining = producer.flush(timeout_s)
+    if remaining or failures:
+        reasons = sorted({e.str() for e in failures}) or [f"{remaining} unacknowledged"]
+        raise DeadLetterUnavailableError(f"redrive not acknowledged: {'; '.join(reasons)}")
+    return RedriveReport(
+        tuple(sorted(c for c in letters if c not in references)), tuple(sorted(references))
+    )
+
+
+def _raw_headers(message: Any) -> list[tuple[str, bytes | None]]:
+    """A record's headers as librdkafka gives them: names, and values as bytes (or None)."""
+    return [
+        (name, value.encode() if isinstance(value, str) else value)
+        for name, value in (message.headers() or [])
+    ]
+
+
+def _references(letters: Mapping[Coordinates, Any]) -> set[Coordinates]:
+    return {
+        c for c, m in letters.items() if any(k == BY_REFERENCE_HEADER for k, _v in _raw_headers(m))
+    }
+
+
+def _letters_of(
+    settings: Settings,
+    source_topic: str,
+    kinds: set[str],
+    at: set[tuple[int, int]],
+    timeout_s: float,
+) -> dict[Coordinates, Any]:
+    """The dead letters of ``source_topic`` (narrowed by ``kinds`` and ``at``), by source
+    coordinates, the first copy of each."""
+    topic = settings.consumer_dead_letter_topic
+    reader = Consumer(
+        {
+            **consumer_config(
+                settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
+            ),
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = reader.list_topics(topic, timeout=timeout_s).topics[topic].partitions
+        ends: dict[int, int] = {}
+        for p in partitions:
+            low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            if high > low:
+                ends[p] = high
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+        found: dict[Coordinates, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                raise DeadLetterUnavailableError(
+                    f"{topic} was not read to its end within {timeout_s:.0f} s"
+                )
+            for message in reader.consume(500, 0.5):
+                if message.error() is not None:
+                    continue
+                partition, offset = int(message.partition() or 0), int(message.offset() or 0)
+                if offset + 1 >= ends.get(partition, 0):
+                    ends.pop(partition, None)
+                headers = _raw_headers(message)
+                source = source_of(headers)
+                kind = (dict(headers).get(KIND_HEADER) or b"").decode(errors="replace")
+                if source is None or source.topic != source_topic:
+                    continue
+                if kinds and kind not in kinds:
+                    continue
+                if at and (source.partition, source.offset) not in at:
+                    continue
+                found.setdefault(source, message)
+        return found
+    finally:
+        reader.close()
