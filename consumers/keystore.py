@@ -42,6 +42,7 @@ from ledger.domain.ids import OPERATION_ID_RE, canonical_json
 from ledger.kafka import consumer_config, partition_for, producer_config
 from ledger.pg import DatabaseError, DatabaseUnavailableError, retrying
 from ledger.settings import Settings
+from ledger.topics import watermarks
 
 log = logging.getLogger("opledger.consumer.keystore")
 
@@ -189,26 +190,10 @@ class RestoreError(RuntimeError):
 
 
 def _watermarks(reader: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
-    # Just after a topic is created (or a broker restarted) leadership is still settling and
-    # the query fails with a retriable error for a moment.
-    while True:
-        try:
-            low, high = reader.get_watermark_offsets(tp, timeout=10)
-            return int(low), int(high)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            retriable = isinstance(error, KafkaError) and (
-                error.retriable()
-                or error.code()
-                in (
-                    KafkaError.NOT_LEADER_FOR_PARTITION,
-                    KafkaError.LEADER_NOT_AVAILABLE,
-                    KafkaError._TRANSPORT,
-                )
-            )
-            if not retriable or time.monotonic() > deadline:
-                raise RestoreError(f"cannot read the key store's end offsets: {exc}") from exc
-            time.sleep(0.2)
+    try:
+        return watermarks(reader, tp, deadline)
+    except KafkaException as exc:
+        raise RestoreError(f"cannot read the key store's end offsets: {exc}") from exc
 
 
 def restore(

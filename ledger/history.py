@@ -35,6 +35,7 @@ from ledger.kafka import consumer_config, partition_for
 from ledger.pg import retrying
 from ledger.rows import DELIVERY_COLUMNS, OP_COLUMNS, columns, delivery_from_row, execution_from_row
 from ledger.settings import Settings
+from ledger.topics import watermarks
 
 #: ListOffsets' timestamp for "the latest offset" (Kafka's protocol; librdkafka passes it on).
 _LATEST = -1
@@ -279,10 +280,8 @@ class HistoryReader:
         for answer in answers:
             key = (answer.topic, answer.partition)
             if answer.error is not None or answer.offset < 0:
-                _low, high = consumer.get_watermark_offsets(
-                    TopicPartition(*key), timeout=10, cached=False
-                )
-                latest[key] = int(high)
+                _low, high = watermarks(consumer, TopicPartition(*key), time.monotonic() + 10)
+                latest[key] = high
             else:
                 latest[key] = int(answer.offset)
         missing = [key for key in keys if key not in latest]

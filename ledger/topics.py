@@ -192,21 +192,51 @@ def _verify_cleanup(admin: AdminClient, specs: list[TopicSpec], timeout: float) 
             )
 
 
-def end_offsets(settings: Settings, topics: Iterable[str]) -> dict[tuple[str, int], int]:
-    """The high watermark of every partition of ``topics``: where "caught up" ends."""
+#: Errors a watermark query gets while leadership settles, just after a topic is created or a
+#: broker restarted: asked again until the caller's deadline.
+_SETTLING = (
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._TRANSPORT,
+)
+
+
+def watermarks(consumer: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
+    """The low and high watermarks of ``tp``, asked of the broker; a retriable error (leadership
+    still settling) is asked again every 0.2 s until ``deadline`` (``time.monotonic()``), then
+    raised as the ``KafkaException`` it is."""
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10, cached=False)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            settling = isinstance(error, KafkaError) and (
+                error.retriable() or error.code() in _SETTLING
+            )
+            if not settling or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def end_offsets(
+    settings: Settings, topics: Iterable[str], timeout_s: float = 30.0
+) -> dict[tuple[str, int], int]:
+    """The high watermark of every partition of ``topics``: where "caught up" ends. A topic
+    created a moment ago is waited for (up to ``timeout_s``) while its leaders settle."""
     # A throwaway consumer: watermark queries need one, and it never joins its group. It reads
     # read_committed as every worker does, so "the end" is the last stable offset they can reach.
     consumer = Consumer(
         consumer_config(settings, group_id="opledger-watermarks", client_id="opledger-watermarks")
     )
+    deadline = time.monotonic() + timeout_s
     try:
         ends: dict[tuple[str, int], int] = {}
         meta = consumer.list_topics(timeout=10)
         for topic in topics:
             for partition in meta.topics[topic].partitions:
-                _low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=10
-                )
+                _low, high = watermarks(consumer, TopicPartition(topic, partition), deadline)
                 ends[(topic, partition)] = high
         return ends
     finally:
