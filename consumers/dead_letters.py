@@ -36,6 +36,7 @@ from ledger.dead_letters import (
 from ledger.kafka import consumer_config, producer_config
 from ledger.records import Coordinates, DeadLetter
 from ledger.settings import Settings
+from ledger.topics import watermarks
 
 log = logging.getLogger("opledger.consumer.dead_letters")
 
@@ -57,14 +58,17 @@ class QueueDeadLetters:
     """A producer of one consumer's dead letters; :meth:`publish` returns once the broker
     acknowledged all of them."""
 
-    def __init__(self, settings: Settings, consumer: str) -> None:
+    def __init__(
+        self, settings: Settings, consumer: str, *, timeout_s: float = PUBLISH_TIMEOUT_S
+    ) -> None:
         self.topic = settings.consumer_dead_letter_topic
         self._consumer = consumer.encode()
+        self._timeout_s = timeout_s
         self._producer = Producer(
             producer_config(
                 settings,
                 client_id=f"opledger-consumer-dlq-{consumer}",
-                delivery_timeout_s=PUBLISH_TIMEOUT_S,
+                delivery_timeout_s=timeout_s,
             )
         )
 
@@ -76,7 +80,7 @@ class QueueDeadLetters:
         for index, (letter, kind) in enumerate(letters):
             outgoing = by_reference(letter) if needs_reference(letter) else letter
             sent.append(self._produce(outgoing, kind, index, failures))
-        remaining = self._producer.flush(PUBLISH_TIMEOUT_S)
+        remaining = self._producer.flush(self._timeout_s)
         retry: list[tuple[int, KafkaError]] = []
         for index, error in list(failures):
             letter = sent[index]
@@ -85,13 +89,13 @@ class QueueDeadLetters:
             else:
                 retry.append((index, error))
         if failures:
-            remaining = self._producer.flush(PUBLISH_TIMEOUT_S)
+            remaining = self._producer.flush(self._timeout_s)
         if remaining or retry:
             reasons = sorted({e.str() for _, e in retry}) or [f"{remaining} unacknowledged"]
             raise DeadLetterUnavailableError(f"dead letters not published: {'; '.join(reasons)}")
 
     def close(self) -> None:
-        self._producer.flush(PUBLISH_TIMEOUT_S)
+        self._producer.flush(self._timeout_s)
 
     def _produce(
         self, letter: DeadLetter, kind: str, index: int, failures: list[tuple[int, KafkaError]]
@@ -212,7 +216,7 @@ def _letters_of(
         partitions = reader.list_topics(topic, timeout=timeout_s).topics[topic].partitions
         ends: dict[int, int] = {}
         for p in partitions:
-            low, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            low, high = watermarks(reader, TopicPartition(topic, p), time.monotonic() + timeout_s)
             if high > low:
                 ends[p] = high
         reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])

@@ -166,6 +166,45 @@ def _params(consumer: str, via: str, events: Sequence[Event]) -> dict[str, Any]:
     return {"consumer": consumer, "via": via, "batch": json.dumps(rows)}
 
 
+# A record already held keeps its first failure: the update is a no-op that lets RETURNING
+# give the stored time.
+_HOLD = """
+INSERT INTO consumer_held_records (consumer, topic, kafka_partition, kafka_offset)
+SELECT %(consumer)s, topic, kafka_partition, kafka_offset
+  FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(offsets)s::bigint[])
+    AS r(topic, kafka_partition, kafka_offset)
+ ORDER BY 1, 2, 3, 4
+ON CONFLICT (consumer, topic, kafka_partition, kafka_offset)
+   DO UPDATE SET first_failed_at = consumer_held_records.first_failed_at
+RETURNING topic, kafka_partition, kafka_offset,
+          EXTRACT(EPOCH FROM clock_timestamp() - first_failed_at)::float8
+"""
+
+_RELEASE = """
+DELETE FROM consumer_held_records
+ WHERE consumer = %(consumer)s
+   AND (topic, kafka_partition, kafka_offset) IN (
+       SELECT * FROM unnest(%(topics)s::text[], %(partitions)s::int[], %(offsets)s::bigint[]))
+"""
+
+_FORGET_OLD_HOLDS = """
+DELETE FROM consumer_held_records
+ WHERE consumer = %s AND first_failed_at < clock_timestamp() - make_interval(secs => %s)
+"""
+
+#: A Kafka record, as (topic, partition, offset).
+RecordAt = tuple[str, int, int]
+
+
+def _records(consumer: str, records: Sequence[RecordAt]) -> dict[str, Any]:
+    return {
+        "consumer": consumer,
+        "topics": [r[0] for r in records],
+        "partitions": [r[1] for r in records],
+        "offsets": [r[2] for r in records],
+    }
+
+
 def _ordered(events: Sequence[Event]) -> list[Event]:
     ordered = sorted(events, key=lambda e: e.operation_id)
     if len({e.operation_id for e in ordered}) != len(ordered):
@@ -259,6 +298,35 @@ class Inbox:
                 delay = min(delay * 2, 1.0)
             except psycopg.Error as exc:
                 raise DatabaseError(f"could not record deliveries: {first_line(exc)}") from exc
+
+    async def held_for(self, records: Sequence[RecordAt]) -> dict[RecordAt, float]:
+        """Seconds since each record's result first failed to be fetched, by any replica of
+        this consumer (0 for one that fails for the first time now). Raises
+        ``ledger.pg.DatabaseUnavailableError`` if the database does not answer."""
+        if not records:
+            return {}
+        rows = await self._run(_HOLD, _records(self.consumer, records), "hold records")
+        return {(t, int(p), int(o)): float(age) for t, p, o, age in rows}
+
+    async def release(self, records: Sequence[RecordAt]) -> None:
+        """Forget the hold clocks of ``records`` (fetched, or dead-lettered)."""
+        if records:
+            await self._run(_RELEASE, _records(self.consumer, records), "release records")
+
+    async def forget_holds_older_than(self, seconds: float) -> None:
+        """Delete hold clocks left behind (their records were fetched by an owner that did not
+        know of them: offsets are never reused, so they would never match again)."""
+        await self._run(_FORGET_OLD_HOLDS, (self.consumer, seconds), "forget old holds")
+
+    async def _run(self, statement: str, params: Any, what: str) -> list[Any]:
+        try:
+            async with self._pool.connection(timeout=self._window_s) as conn:
+                cursor = await conn.execute(statement, params)
+                return list(await cursor.fetchall()) if cursor.description else []
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise DatabaseUnavailableError(f"could not {what}: {first_line(exc)}") from exc
+        except psycopg.Error as exc:
+            raise DatabaseError(f"could not {what}: {first_line(exc)}") from exc
 
     async def _record(
         self, conn: psycopg.AsyncConnection[Any], ordered: list[Event], via: str

@@ -22,10 +22,12 @@ receiver does. The record was acknowledged to the ledger when it was appended, s
 send it again: when a fetch cannot be made now, nothing of that record's partition in the batch
 is recorded or committed; the consumer seeks that partition back, pauses it, and reads it again
 after a backoff of its own, until the fetch is made or the record has waited
-``OPLEDGER_CONSUMER_HOLD_LIMIT_S``: then it is dead-lettered like the others and its partition
-goes on (a reference the ledger answers 404 forever, forged or misrouted, holds its partition
-that long, not for good). The other partitions go on meanwhile: one result that cannot be fetched
-holds back only the records queued behind it. A database or a dead-letter topic that does not
+``OPLEDGER_CONSUMER_HOLD_LIMIT_S`` (counted in the consumer's database from the first failed
+fetch by any of its replicas, so restarts and rebalances do not start it again): then it is
+dead-lettered like the others and its partition goes on (a reference the ledger answers 404
+for ever, forged or misrouted, holds its partition that long, not for good). The other
+partitions go on meanwhile: one result that cannot be fetched holds back only the records
+queued behind it. A database or a dead-letter topic that does not
 answer is waited out by the whole batch the same way (each attempt is short, so a long outage
 does not cost the consumer its group membership). A pass fetches at most
 :data:`MAX_FETCHED_BYTES_PER_PASS` of results (they are held in memory until its batch is
@@ -59,6 +61,7 @@ from consumers.contract import (
     parse_idempotency_key,
     result_unavailable,
 )
+from consumers.dead_letters import PUBLISH_TIMEOUT_S as DEAD_LETTER_TIMEOUT_S
 from consumers.dead_letters import DeadLetterUnavailableError, QueueDeadLetters
 from consumers.dedup import Decision
 from consumers.fetch import ResultFetcher
@@ -66,7 +69,7 @@ from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
 from ledger.faults import fault_point
 from ledger.kafka import consumer_config
-from ledger.pg import DatabaseUnavailableError
+from ledger.pg import DatabaseError, DatabaseUnavailableError
 from ledger.records import Coordinates, DeadLetter
 
 log = logging.getLogger("opledger.consumer.queue")
@@ -81,6 +84,10 @@ MAX_RETRY_DELAY_S = 5.0
 #: a batch of 500 records could otherwise name 500 results of up to 16 MiB each. The records
 #: past it are read again by the next pass, at once.
 MAX_FETCHED_BYTES_PER_PASS = 64 * 1024 * 1024
+
+#: A hold clock this much older than the hold limit belongs to a record fetched since by an
+#: owner that did not know of its clock: deleted when a consumer starts.
+FORGOTTEN_HOLD_S = 24 * 3600.0
 
 #: A topic partition, as (topic, partition).
 Partition = tuple[str, int]
@@ -140,6 +147,7 @@ class QueueConsumer:
         results_url: str | None = None,
         max_fetched_bytes: int = MAX_FETCHED_BYTES_PER_PASS,
         hold_limit_s: float | None = None,
+        dead_letter_timeout_s: float = DEAD_LETTER_TIMEOUT_S,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -165,9 +173,12 @@ class QueueConsumer:
         self.hold_limit_s = (
             runtime.settings.consumer_hold_limit_s if hold_limit_s is None else hold_limit_s
         )
-        #: when the fetch of each held record (by partition and offset) first failed
-        self._failing_since: dict[tuple[Partition, int], float] = {}
+        #: records (partition, offset) whose hold clock this instance started or read...
+        self._clocked: set[tuple[Partition, int]] = set()
+        #: ...and those of them fetched or dead-lettered: released once committed past
+        self._releasable: list[tuple[Partition, int]] = []
         self._dead_letters: QueueDeadLetters | None = None
+        self._dead_letter_timeout_s = dead_letter_timeout_s
         self._dead_lettered = runtime.metrics.dead_letters
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
@@ -189,7 +200,15 @@ class QueueConsumer:
             self.runtime.start()
         self._loop = asyncio.new_event_loop()
         self._inbox = self._loop.run_until_complete(self.runtime.open_inbox(1))
-        self._dead_letters = QueueDeadLetters(self.runtime.settings, self.runtime.name)
+        self._dead_letters = QueueDeadLetters(
+            self.runtime.settings, self.runtime.name, timeout_s=self._dead_letter_timeout_s
+        )
+        try:
+            self._loop.run_until_complete(
+                self._inbox.forget_holds_older_than(self.hold_limit_s + FORGOTTEN_HOLD_S)
+            )
+        except (DatabaseUnavailableError, DatabaseError) as exc:
+            log.info("queue: old hold clocks not deleted: %s", exc)
         if self._fetcher is not None:
             self._loop.run_until_complete(self._fetcher.start())
         config = consumer_config(
@@ -219,8 +238,9 @@ class QueueConsumer:
         for partition in revoked:
             self._held.pop(partition, None)
             self._hold_delays.pop(partition, None)
-        for key in [k for k in self._failing_since if k[0] in revoked]:
-            del self._failing_since[key]
+        # Their clocks stay in the database for the partitions' next owner.
+        self._clocked = {r for r in self._clocked if r[0] not in revoked}
+        self._releasable = [r for r in self._releasable if r[0] not in revoked]
 
     def close(self) -> None:
         """Leave the group (the runtime stays open: its owner closes it)."""
@@ -311,9 +331,7 @@ class QueueConsumer:
                 # The group moved on (a rebalance): the partitions' new owner reads these
                 # records again and finds their keys already taken.
                 log.warning("queue: offsets not committed: %s", exc.args[0])
-            self._forget_failures_before(
-                {(t, p): o for (t, p), o in positions.items() if (t, p) in going_on}
-            )
+            self._release({p: o for p, o in positions.items() if p in going_on})
         return len(messages)
 
     def _again(self, going_on: dict[Partition, int], handled: int) -> int:
@@ -408,40 +426,71 @@ class QueueConsumer:
             else:
                 raise answer
             got[key] = answer
-        now = time.monotonic()
         kept: list[tuple[Partition, Any, Event]] = []
-        unfetched: set[Partition] = set()
+        failing: list[tuple[Partition, Any, Event, str]] = []
         taken_out: list[_TakenOut] = []
         for partition, message, e in entries:
             answer = got.get((e.operation_id, e.fingerprint), e)
             if isinstance(answer, Event):
                 kept.append((partition, message, answer))
+                if (partition, message.offset()) in self._clocked:
+                    self._releasable.append((partition, message.offset()))
             elif isinstance(answer, ProblemError) and answer.problem.status == 422:
                 taken_out.append(_TakenOut(partition, message, answer, "refused"))
             else:
                 detail = answer.problem.detail if isinstance(answer, ProblemError) else ""
-                detail = detail or type(answer).__name__
-                since = self._failing_since.setdefault((partition, message.offset()), now)
-                if now - since < self.hold_limit_s:
-                    log.warning(
-                        "queue: %s's result not fetched yet (its partition is read again): %s",
-                        e.operation_id,
-                        detail,
-                    )
-                    unfetched.add(partition)
-                    continue
-                problem = result_unavailable(
-                    f"the result could not be fetched for {now - since:.0f} s "
-                    f"(hold limit {self.hold_limit_s:g} s): {detail}"
+                failing.append((partition, message, e, detail or type(answer).__name__))
+        unfetched: set[Partition] = set()
+        held = self._held_for([(p, m.offset()) for p, m, _e, _d in failing])
+        for partition, message, e, detail in failing:
+            held_s = held.get((partition, message.offset()), 0.0)
+            if held_s < self.hold_limit_s:
+                log.warning(
+                    "queue: %s's result not fetched yet (its partition is read again): %s",
+                    e.operation_id,
+                    detail,
                 )
-                taken_out.append(_TakenOut(partition, message, problem, "unfetchable"))
+                unfetched.add(partition)
+                continue
+            problem = result_unavailable(
+                f"the result could not be fetched for {held_s:.0f} s "
+                f"(hold limit {self.hold_limit_s:g} s): {detail}"
+            )
+            taken_out.append(_TakenOut(partition, message, problem, "unfetchable"))
+            self._releasable.append((partition, message.offset()))
         return kept, unfetched, taken_out
 
-    def _forget_failures_before(self, positions: Mapping[Partition, int]) -> None:
-        """Drop the failed-fetch clocks of records now committed past."""
-        for partition, offset in list(self._failing_since):
-            if partition in positions and offset < positions[partition]:
-                del self._failing_since[(partition, offset)]
+    def _held_for(self, records: list[tuple[Partition, int]]) -> dict[tuple[Partition, int], float]:
+        """How long each record's result has been unfetchable, by the consumer's database
+        clock (shared by its replicas and kept across rebalances and restarts); an empty
+        answer (every record held on) if the database does not answer."""
+        if not records:
+            return {}
+        assert self._loop is not None and self._inbox is not None
+        self._clocked.update(records)
+        try:
+            ages = self._loop.run_until_complete(
+                self._inbox.held_for([(t, p, o) for (t, p), o in records])
+            )
+        except (DatabaseUnavailableError, DatabaseError) as exc:
+            log.warning("queue: hold clocks not read (the records are held on): %s", exc)
+            return {}
+        return {((t, p), o): age for (t, p, o), age in ages.items()}
+
+    def _release(self, committed: Mapping[Partition, int]) -> None:
+        """Forget the hold clocks of records now committed past (fetched or dead-lettered)."""
+        done = [(p, o) for p, o in self._releasable if p in committed and o < committed[p]]
+        if not done:
+            return
+        assert self._loop is not None and self._inbox is not None
+        try:
+            self._loop.run_until_complete(self._inbox.release([(t, p, o) for (t, p), o in done]))
+        except (DatabaseUnavailableError, DatabaseError) as exc:
+            # Left behind: never matched again (offsets are not reused), deleted at a start.
+            log.info("queue: hold clocks not released: %s", exc)
+        gone = set(done)
+        self._releasable = [r for r in self._releasable if r not in gone]
+        self._clocked -= gone
 
     def _hold(self, first: dict[Partition, int]) -> None:
         """Seek each partition back to ``first`` and pause it for its own backoff."""

@@ -170,7 +170,8 @@ class Settings:
     consumer_max_connections_per_client: int = 256
     #: OPLEDGER_CONSUMER_HOLD_LIMIT_S: how long a queue consumer holds back a partition whose
     #: record names a result it cannot fetch, before it dead-letters that record and goes on
-    #: (decision 017). Counted from the first failed fetch, by the partition's current owner.
+    #: (decision 017). Counted from the first failed fetch by any replica of the consumer (the
+    #: clock is kept in its database, across restarts and rebalances).
     consumer_hold_limit_s: int = 3600
     #: OPLEDGER_FAULT_POINTS: comma-separated named fault points to arm (tests only), e.g.
     #: ``projector.after_commit:kill@3`` kills the process the third time that point is reached.

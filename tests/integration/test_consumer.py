@@ -39,12 +39,12 @@ from consumers.contract import MAX_BODY_BYTES, PROBLEM_CONTENT_TYPE, PROBLEM_TYP
 from consumers.keystore import decode_entry, partition_of, record_key
 from consumers.queue import QueueConsumer, drain
 from consumers.receiver import Receiver, serve
-from consumers.runtime import ConsumerRuntime
+from consumers.runtime import ConsumerRuntime, migrate_database
 from consumers.signatures import SignatureVerifier
 from ledger.domain.ids import canonical_json, content_ref
 from ledger.result_fetch import result_url
 from ledger.settings import Settings
-from ledger.topics import end_offsets
+from ledger.topics import end_offsets, ensure_topics
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
 from tests.support import env_for, read_all
 from tests.tcp_proxy import TcpProxy
@@ -779,7 +779,7 @@ def test_a_wiped_inbox_still_refuses_every_earlier_key(consumer_settings: Settin
         first.stop()
 
     with psycopg.connect(consumer_settings.consumer_dsn, autocommit=True) as conn:
-        conn.execute("DROP TABLE consumer_inbox, consumer_applied_changes")
+        conn.execute("DROP TABLE consumer_inbox, consumer_applied_changes, consumer_held_records")
         conn.execute("DELETE FROM schema_migrations WHERE component = 'consumers'")
 
     second = RunningReceiver(consumer_settings)  # migrations recreate the tables, empty
@@ -1538,3 +1538,108 @@ def test_what_the_queue_consumer_cannot_take_is_dead_lettered_whole_and_redriven
     assert outcomes["accepted"] == 1 and outcomes["duplicate"] == 1
     assert dead == {"invalid": 1, "refused": 1, "conflict": 1}, "taken out again, not applied"
     assert _committed(consumer_settings, group, topic) == {0: 4, 1: 5, 2: 3}
+
+
+def test_the_hold_limit_counts_across_restarts_and_rebalances(consumer_settings: Settings) -> None:
+    """A record whose result is never served is dead-lettered once it has waited the hold
+    limit, although no consumer instance held it that long: each instance leaves the group
+    about 1.5 s after its first failed fetch and a new one takes the partition over. The clock
+    is in the consumer's database, not in an instance's memory."""
+    topic = _queue_topic(consumer_settings)
+    never, behind = new_op_id(), new_op_id()
+    server = _ResultServer({})  # never serves it
+    records = [
+        _queue_record(
+            never, _by_reference_body(never, os.urandom(512), server.base_url), partition=0
+        ),
+        _queue_record(behind, event_body(behind), partition=0),
+    ]
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-consumer-rejoining"
+    migrate_database(consumer_settings.consumer_dsn)  # the loop's condition reads its tables
+    hold_limit_s = 4.0
+    instances = 0
+    deadline = time.monotonic() + 120
+    try:
+        while changes_per_operation(consumer_settings).get(behind) != 1:
+            assert time.monotonic() < deadline, f"still held after {instances} instances"
+            consumer = _fetching_consumer(
+                consumer_settings, topic, group, server.base_url, hold_limit_s=hold_limit_s
+            )
+            instances += 1
+            try:
+                consumer.open()
+                tried = server.requests[never]
+                leave_at = time.monotonic() + 30
+                while changes_per_operation(consumer_settings).get(behind) != 1:
+                    if time.monotonic() >= leave_at:
+                        break
+                    consumer.run_once(timeout_s=0.2)
+                    if server.requests[never] > tried and leave_at > time.monotonic() + 1.5:
+                        leave_at = time.monotonic() + 1.5  # this instance tried: leave soon
+                consumer.close()
+            finally:
+                consumer.runtime.close()
+    finally:
+        server.close()
+    assert instances >= 3, "each instance held the record for less than the hold limit"
+    letters = _dead_letters_of(consumer_settings, topic)
+    assert [(letter["at"], letter["kind"]) for letter in letters] == [((0, 0), "unfetchable")]
+    assert changes_per_operation(consumer_settings) == Counter({behind: 1})
+    with psycopg.connect(consumer_settings.consumer_dsn) as conn:
+        clocks = conn.execute(
+            "SELECT count(*) FROM consumer_held_records WHERE topic = %s", (topic,)
+        ).fetchone()
+    assert clocks == (0,), "a dead-lettered record's clock is released"
+
+
+def test_a_dead_letter_topic_that_does_not_answer_holds_the_batch_and_loses_nothing(
+    consumer_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the dead-letter topic gone (deleted; the broker creates no topic by itself), an
+    invalid record is neither passed nor committed: its batch is read again until the topic is
+    back, then the record is dead-lettered and everything committed. Its value, which carries a
+    marker, never reaches the log; its coordinates do."""
+    topic = _queue_topic(consumer_settings)
+    dlq = consumer_settings.consumer_dead_letter_topic
+    admin = AdminClient({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    for future in admin.delete_topics([dlq]).values():
+        future.result(30)
+    deadline = time.monotonic() + 30
+    while dlq in admin.list_topics(timeout=10).topics:
+        assert time.monotonic() < deadline, "the dead-letter topic was not deleted"
+        time.sleep(0.2)
+    marker = f"MARKER-{new_op_id()}"
+    good = new_op_id()
+    poison = _queue_record(good, f"{{not json {marker}".encode(), partition=0)
+    _produce(consumer_settings, topic, [poison, _queue_record(good, event_body(good), partition=0)])
+    group = f"{consumer_settings.topic_prefix}-consumer-nodlq"
+    caplog.set_level(logging.DEBUG, logger="opledger")
+
+    runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+    consumer = QueueConsumer(runtime, topic, group_id=group, dead_letter_timeout_s=2.0)
+    try:
+        consumer.open()
+        until = time.monotonic() + 8
+        while time.monotonic() < until:
+            consumer.run_once(timeout_s=0.2)
+        assert _committed(consumer_settings, group, topic)[0] < 0, "nothing committed past it"
+        assert "waits for the dead-letter topic" in caplog.text
+
+        ensure_topics(consumer_settings)  # the topic is back
+        deadline = time.monotonic() + 60
+        while _committed(consumer_settings, group, topic)[0] != 2:
+            assert time.monotonic() < deadline, _committed(consumer_settings, group, topic)
+            consumer.run_once(timeout_s=0.2)
+        consumer.close()
+        dead = _counted(runtime.metrics.dead_letters, "kind")
+    finally:
+        runtime.close()
+    assert dead == {"invalid": 1}, "counted once, when it was dead-lettered"
+    letters = _dead_letters_of(consumer_settings, topic)
+    assert {(d["at"], d["kind"], d["value"]) for d in letters} == {
+        ((0, 0), "invalid", poison["value"])
+    }
+    assert changes_per_operation(consumer_settings) == Counter({good: 1})
+    assert f"{topic}[0]@0 dead-lettered (invalid)" in caplog.text
+    assert marker not in caplog.text, "a record's value never reaches the log"
