@@ -1,8 +1,13 @@
 """The one place that builds Kafka client configurations, and where librdkafka's log goes.
 
-Every producer, consumer and admin client opledger creates takes its configuration from here, so
+Every confluent-kafka producer, consumer and admin client opledger creates takes its
+configuration from here (``tests/unit/test_kafka_config_factory.py`` checks the source), so
 durability (idempotence, acks), partitioning (murmur2, as Java clients) and logging are decided
-once. librdkafka's own log is routed into Python logging (logger ``opledger.kafka``) instead of
+once. The faust app the projector, recovery and delivery workers host runs aiokafka clients of
+its own for its app group, configured in ``processors/app.py``; no record of ours passes
+through them.
+
+librdkafka's own log is routed into Python logging (logger ``opledger.kafka``) instead of
 stderr, and a repeated line - a client retrying a dead broker logs one every second or so - is
 written once, then summarised, instead of flooding the log.
 """

@@ -1,7 +1,9 @@
 """One frozen settings object, built once at start-up from ``OPLEDGER_*`` variables.
 
-No other module reads ``os.environ``: components receive a :class:`Settings` explicitly, which
-keeps tests free to build as many differently-configured instances as they like.
+No other module reads a setting from the environment: components receive a :class:`Settings`
+explicitly, which keeps tests free to build as many differently-configured instances as they
+like. ``tests/unit/test_environment_reads.py`` names the only other reads of the environment
+(a secret from a variable the operator names, and the operator's login name for the audit).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The Kafka topics opledger writes, as data, and an idempotent way to create them.
 
-Auto-creation is off on our brokers, so every topic is created here, explicitly, with the
-partition count and configuration the processors rely on.
+Auto-creation is off on our brokers, so every topic that holds opledger's records is created
+here, explicitly, with the partition count and configuration the processors rely on. (The
+projector, recovery and delivery workers host a faust app, which declares one internal topic,
+``<prefix>-<worker>-host-__assignor-__leader``, for its app group; it carries no record of ours:
+``tests/integration/test_stack.py`` checks that nothing else is there.)
 """
 
 from __future__ import annotations

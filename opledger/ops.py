@@ -1,7 +1,8 @@
 """``opledger ops list|show``: the analyst queries (``projections.queries``) as tables.
 
-Registration only imports argparse-level things; psycopg, rich and the queries are imported by
-the handlers, so other subcommands do not pay for them.
+Registration imports nothing heavy of its own: rich and the queries are imported by the
+handlers. (psycopg and confluent-kafka are loaded by ``opledger.cli`` itself, through the stack
+and database commands, for every subcommand.)
 """
 
 from __future__ import annotations

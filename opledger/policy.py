@@ -5,8 +5,9 @@ A write is one PolicyChanged record, acknowledged by the broker (acks=all); the 
 waits, bounded, until the projector has folded it (its subject's version is the record's event
 id), since only then do workers see it. Nothing is written unless every input is valid.
 
-Registration only imports argparse-level things; Kafka, psycopg and rich are imported by the
-handlers, so other subcommands do not pay for them.
+Registration imports nothing heavy of its own: Kafka, psycopg and rich are imported by the
+handlers (``opledger.cli`` itself loads psycopg and confluent-kafka for every subcommand,
+through the stack and database commands).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, re-
 )
 
 from ledger.settings import Settings
-from ledger.topics import topic_specs
+from ledger.topics import all_topic_specs, topic_specs
 from opledger import cli, stack, supervisor
 
 
@@ -74,6 +74,36 @@ def test_topics_have_configured_partitions_and_retention(stack_settings: Setting
         assert len(metadata.topics[spec.name].partitions) == stack_settings.partitions
         assert configs[spec.name]["cleanup.policy"].value == "delete"
         assert configs[spec.name]["retention.ms"].value == "-1"
+
+
+def test_every_topic_on_the_broker_is_one_of_ours_as_specified(stack_settings: Settings) -> None:
+    """Each topic of the stack's prefix is one ``ledger/topics.py`` specifies, with its
+    partitions and every config it names (the compacted key store and policy topic, the kept
+    dead letters), or the one internal topic the faust app of a worker declares."""
+    admin = AdminClient({"bootstrap.servers": stack_settings.bootstrap_servers})
+    specs = {spec.name: spec for spec in all_topic_specs(stack_settings)}
+    prefix = stack_settings.topic_prefix
+    faust_leader = re.compile(
+        rf"{re.escape(prefix)}-(projector|recovery|delivery)-host-__assignor-__leader"
+    )
+    ours = {
+        name
+        for name in admin.list_topics(timeout=10).topics
+        if name.startswith((f"{prefix}.", f"{prefix}-"))
+    }
+    assert set(specs) <= ours, "ensure_topics created every topic it specifies"
+    assert {name for name in ours - set(specs) if not faust_leader.fullmatch(name)} == set()
+    metadata = admin.list_topics(timeout=10)
+    resources = [ConfigResource(ResourceType.TOPIC, name) for name in specs]
+    described = admin.describe_configs(resources)
+    for resource, future in described.items():
+        spec = specs[resource.name]
+        config = future.result(10)
+        assert len(metadata.topics[spec.name].partitions) == spec.partitions, spec.name
+        for key, want in spec.config.items():
+            assert config[key].value == want, (spec.name, key)
+    assert specs[stack_settings.consumer_keys_topic].config["cleanup.policy"] == "compact"
+    assert specs[stack_settings.consumer_dead_letter_topic].config["retention.ms"] == "-1"
 
 
 def test_isolated_settings_get_their_own_topics_and_database(isolated: Settings) -> None:
