@@ -1,4 +1,5 @@
-"""Recovery workers scale out by partition, and a SIGKILLed one hands its partitions over.
+"""Recovery and delivery workers scale out by partition, and a SIGKILLed one hands its
+partitions over.
 
 README and ``opledger/recover.py`` say: any number of recovery workers form one consumer group on
 the execution topic, each looks after the operations of its partitions, and killing one hands
@@ -22,7 +23,9 @@ import pytest
 from ledger.kafka import partition_for
 from ledger.settings import Settings
 from opledger.fakes.http_provider import FakeProviderControl
+from tests.chaos.test_delivery_kills import ACTOR, SECRET, TENANT, _rig, _succeeded
 from tests.chaos.test_recovery_kills import Rig, _first_op
+from tests.delivery_support import ScriptedReceiver
 from tests.process_support import kill, start_cli, wait_http
 from tests.support import env_for, free_port, grant, project_in_process
 
@@ -111,3 +114,57 @@ def test_a_killed_recovery_worker_hands_its_partitions_to_the_other(
     slowest = max(moved[op] for op in orphaned)
     print(f"\n{len(orphaned)} of {len(ops)} on the dead worker's partitions {sorted(first)}; "
           f"the last moved {slowest:.1f} s after the kill")  # fmt: skip
+
+
+@pytest.mark.chaos
+def test_a_killed_delivery_worker_hands_its_partitions_to_the_other(
+    isolated: Settings, tmp_path: Path
+) -> None:
+    """The same for ``opledger deliver run``: two workers share the partitions, one is
+    SIGKILLed, and results that succeed afterwards on every partition are each delivered once
+    by the survivor."""
+    grant(isolated, TENANT, actor=ACTOR, tool="send_email", destinations=("crm",))
+    receiver = ScriptedReceiver(SECRET)
+    worker_ports = free_port(), free_port()
+    try:
+        with _rig(isolated, tmp_path) as rig:
+            rig.destination("crm", receiver.url, ["send_email"])
+            workers = [
+                start_cli(
+                    ["deliver", "run"],
+                    dict(rig.env, OPLEDGER_DELIVERY_WEB_PORT=str(port)),
+                    tmp_path / f"delivery-{n}.log",
+                )
+                for n, port in enumerate(worker_ports)
+            ]
+            rig.processes += workers
+            for port in worker_ports:
+                wait_http(f"http://127.0.0.1:{port}/healthz")
+            deadline = time.monotonic() + 60
+            while True:
+                first, second = (_partitions(port) for port in worker_ports)
+                if first and second and first | second == set(range(isolated.partitions)):
+                    break
+                assert time.monotonic() < deadline, f"never shared: {first} / {second}"
+                time.sleep(0.2)
+            assert not first & second, "a partition looked after by both workers"
+
+            os.killpg(workers[0].pid, signal.SIGKILL)
+            assert workers[0].wait(timeout=30) == -signal.SIGKILL
+            ops = _succeeded(isolated, SERVICES)
+            orphaned = [
+                op for op in ops if partition_for(op.encode(), isolated.partitions) in first
+            ]
+            assert orphaned, "no operation landed on the dead worker's partitions"
+            wanted = {(op, "crm") for op in ops}
+            rig.wait(
+                lambda: {k for k, v in rig.deliveries().items() if v[0] == "ACKED"} >= wanted,
+                "every delivery acknowledged",
+            )
+            assert _partitions(worker_ports[1]) == set(range(isolated.partitions))
+            time.sleep(2)  # anything more it would send, it sends now
+        got = sorted(r.headers["Idempotency-Key"] for r in receiver.received)
+        assert got == sorted(ops), "each result delivered once"
+        assert all(r.signature_ok for r in receiver.received)
+    finally:
+        receiver.close()
