@@ -1497,8 +1497,19 @@ def test_what_the_queue_consumer_cannot_take_is_dead_lettered_whole_and_redriven
     # Served at last: a redrive of the unfetchable one puts it back on its partition, once.
     server.results[never] = result
     env = env_for(consumer_settings)
+    # Both filters must match: the refused letter is at 1:1, not 0:0.
+    none = subprocess.run(
+        [*REDRIVE, "--topic", topic, "--kind", "refused", "--at", "0:0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert none.returncode == 0, none.stderr
+    assert "0 record(s) put back" in none.stdout
     redriven = subprocess.run(
-        [*REDRIVE, "--topic", topic, "--kind", "unfetchable"],
+        [*REDRIVE, "--topic", topic, "--kind", "unfetchable", "--at", "0:0"],
         env=env,
         capture_output=True,
         text=True,
