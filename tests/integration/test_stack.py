@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, re-
 from ledger.settings import Settings
 from ledger.topics import all_topic_specs, topic_specs
 from opledger import cli, stack, supervisor
+from tests.support import free_port
 
 
 def test_status_is_healthy_after_up(stack_settings: Settings) -> None:
@@ -29,6 +32,27 @@ def test_status_is_healthy_after_up(stack_settings: Settings) -> None:
 
 def test_cli_status_exit_code_is_zero_when_healthy(stack_settings: Settings) -> None:
     assert cli.main(["stack", "status"]) == 0
+
+
+def test_cli_status_exits_3_when_nothing_answers(tmp_path: Path) -> None:
+    """A stack whose home is empty and whose ports answer nothing: exit 3, not 0 or a crash."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OPLEDGER_")},
+        "OPLEDGER_HOME": str(tmp_path),
+        "OPLEDGER_KAFKA_PORT": str(free_port()),
+        "OPLEDGER_KAFKA_CONTROLLER_PORT": str(free_port()),
+        "OPLEDGER_PG_PORT": str(free_port()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "opledger.cli", "stack", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
 
 
 def test_second_up_is_fast_and_downloads_nothing(stack_settings: Settings) -> None:
