@@ -264,12 +264,17 @@ def assert_problem(answer: Answer, status: int, slug: str) -> None:
     assert document["status"] == status and document["detail"]
 
 
-def assert_last_answer_is_problem(client: Client, status: int, slug: str) -> None:
-    """The next answer is the problem ``slug``, marked ``Connection: close``, and the server
-    closes the connection after it with nothing more written."""
+def assert_last_answer_is_problem(
+    client: Client, status: int, slug: str, *, retry_after: str | None = None
+) -> None:
+    """The next answer is the problem ``slug``, marked ``Connection: close`` (and with
+    ``Retry-After: retry_after`` when given), and the server closes the connection after it
+    with nothing more written."""
     answer = client.answer()
     assert_problem(answer, status, slug)
     assert answer.headers["connection"] == "close"
+    if retry_after is not None:
+        assert answer.headers.get("retry-after") == retry_after
     assert client.closed()
 
 
@@ -675,7 +680,7 @@ def test_connections_over_the_bound_get_503_and_are_closed(
     for client in held:
         assert_serves(client)
     turned_away = served.client()
-    assert_last_answer_is_problem(turned_away, 503, "too-many-connections")
+    assert_last_answer_is_problem(turned_away, 503, "too-many-connections", retry_after="1")
     assert ("", "", 503) in served.seen  # observed, though no request was read
     for client in held:
         assert_serves(client)  # the connections already held are served on
@@ -695,7 +700,7 @@ def test_one_client_cannot_hold_every_connection(serve_with: Callable[..., Serve
     for client in held:
         assert_serves(client)
     greedy = served.client()
-    assert_last_answer_is_problem(greedy, 429, "too-many-connections-from-client")
+    assert_last_answer_is_problem(greedy, 429, "too-many-connections-from-client", retry_after="1")
     assert ("", "", 429) in served.seen
     other = served.client(source="127.0.0.2")  # another client, on the same loopback
     assert_serves(other)
