@@ -4,6 +4,7 @@ every record read back from Kafka, partition by partition, with no batching, SQL
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.codec import DecodeError, default_codec
 from ledger.domain.events import (
@@ -30,6 +32,7 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
+from ledger.domain.ids import ULID_PATTERN
 from ledger.kafka import partition_for
 from ledger.metrics import Metrics
 from ledger.settings import Settings
@@ -429,3 +432,25 @@ def grant(
     p.produce(settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change))
     assert p.flush(30) == 0
     return change.event_id
+
+
+#: An operation id anywhere in a label value ("op_" + a ULID), or a webhook secret's prefix.
+_IDENTIFYING = re.compile(rf"op_{ULID_PATTERN}|whsec_")
+
+
+def assert_no_identifying_labels(source: str | CollectorRegistry) -> int:
+    """Fail if any label value of a ``/metrics`` text or a registry holds an operation id or a
+    webhook secret (README, Metrics: "No label ever holds an operation id or a tenant's
+    secret"); returns how many samples were checked."""
+    families = (
+        text_string_to_metric_families(source) if isinstance(source, str) else source.collect()
+    )
+    checked = 0
+    for family in families:
+        for sample in family.samples:
+            checked += 1
+            for label, value in sample.labels.items():
+                assert not _IDENTIFYING.search(value), (
+                    f"{sample.name}{{{label}={value!r}}}: a label holds an operation id or a secret"
+                )
+    return checked

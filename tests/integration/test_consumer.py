@@ -46,7 +46,7 @@ from ledger.result_fetch import result_url
 from ledger.settings import Settings
 from ledger.topics import end_offsets, ensure_topics
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
-from tests.support import env_for, read_all
+from tests.support import assert_no_identifying_labels, env_for, read_all
 from tests.tcp_proxy import TcpProxy
 
 # --- a receiver in a thread of the test process --------------------------------------------------
@@ -104,6 +104,7 @@ class RunningReceiver:
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
             text = response.read().decode()
+        assert assert_no_identifying_labels(text) > 0
         found = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -793,6 +794,8 @@ def test_a_wiped_inbox_still_refuses_every_earlier_key(consumer_settings: Settin
         assert counts(consumer_settings) == (0, 0), "a restored key was applied again"
         assert second.metric("opledger_consumer_duplicate_keys_total", seen_in="view") == len(ops)
         assert second.metric("opledger_consumer_keystore_restored_keys") == len(ops)
+        restore = second.metric("opledger_consumer_keystore_restore_seconds")
+        assert restore == second.runtime.restored.seconds and restore > 0
         assert send(second.url, new_op_id()).status == 202  # new keys still go through
         assert counts(consumer_settings) == (1, 1)
     finally:

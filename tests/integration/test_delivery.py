@@ -41,7 +41,13 @@ from processors.delivery.worker import DeliveryWorker
 from producers import TransitionRecorder
 from projections.writer import PostgresProjection
 from tests.delivery_support import Answer, ScriptedReceiver
-from tests.support import env_for, grant, project_in_process, read_all
+from tests.support import (
+    assert_no_identifying_labels,
+    env_for,
+    grant,
+    project_in_process,
+    read_all,
+)
 
 D = DeliveryState
 TENANT = "acme"
@@ -78,8 +84,9 @@ class Rig:
         )
         self.worker.join()
         self.sink = PostgresProjection.connect(settings.dsn)
+        self.projector_registry = CollectorRegistry()
         self.projector = BatchProjector(
-            settings, self.sink, default_codec(), Metrics.create(CollectorRegistry())
+            settings, self.sink, default_codec(), Metrics.create(self.projector_registry)
         )
         self.projector._consumer = self.projector._open()
         self.service = TransitionRecorder.connect(settings, owner="service")
@@ -93,6 +100,11 @@ class Rig:
         self.history.close()
         self.transport.close()
         self.pool.close()
+        for registry in (self.registry, self.projector_registry):
+            assert assert_no_identifying_labels(registry) > 0
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
 
     def webhook(self, name: str, url: str, **extra: Any) -> None:
         self.destinations.add(
@@ -191,8 +203,14 @@ def test_a_result_reaches_each_destination_once_signed_and_keyed(
     rig.webhook("hooks", receiver.url)
     queue_topic = rig.queue("queue", partitions=3)
     result = b'{"message_id": "m-1"}'
+    started = time.monotonic()
     op_id = rig.succeeded(result)
     rig.until(lambda: rig.state(op_id, "hooks") is D.ACKED and rig.state(op_id, "queue") is D.ACKED)
+    elapsed = time.monotonic() - started
+    ack_latency = "opledger_delivery_confirmation_to_ack_seconds"
+    for destination in ("hooks", "queue"):  # one observation per ACK, in the send's time
+        assert rig.sample(f"{ack_latency}_count", destination=destination) == 1
+        assert 0 < (rig.sample(f"{ack_latency}_sum", destination=destination) or 0) <= elapsed + 1
 
     assert len(receiver.received) == 1
     got = receiver.received[0]
@@ -217,6 +235,8 @@ def test_a_result_reaches_each_destination_once_signed_and_keyed(
         rig.step()
     assert len(receiver.received) == 1
     assert len(read_all(isolated, queue_topic)) == 1
+    for destination in ("hooks", "queue"):
+        assert rig.sample(f"{ack_latency}_count", destination=destination) == 1
 
 
 def test_503_twice_then_202_is_acked_after_three_sends_with_the_backoff_between(
@@ -246,6 +266,11 @@ def test_503_twice_then_202_is_acked_after_three_sends_with_the_backoff_between(
         ]
         assert steps[2][3] is not None and "503" in steps[2][3]
         assert steps[2][2] is not None and steps[4][2] is not None, "the backoff is recorded"
+        # Three sends, one acknowledgement: one observation, not one per send.
+        count = rig.sample(
+            "opledger_delivery_confirmation_to_ack_seconds_count", destination="hooks"
+        )
+        assert count == 1
     finally:
         receiver.close()
 
@@ -437,6 +462,9 @@ def test_redrive_from_the_command_line_is_audited_and_idempotent(
         op_id = rig.succeeded()
         rig.until(lambda: rig.state(op_id, "hooks") is D.DEAD_LETTERED)
         project_in_process(isolated)
+        # The gauge follows the projection (refreshed every 5 s by the worker's passes).
+        dead = "opledger_dead_lettered_deliveries"
+        rig.until(lambda: rig.sample(dead, destination="hooks") == 1, timeout=15)
 
         def cli(*argv: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -457,6 +485,8 @@ def test_redrive_from_the_command_line_is_audited_and_idempotent(
         assert "no such delivery" in other.stdout
         rig.until(lambda: rig.state(op_id, "hooks") is D.ACKED)
         project_in_process(isolated)
+        # Redriven and acknowledged: the destination leaves the gauge (cleared, not left at 1).
+        rig.until(lambda: rig.sample(dead, destination="hooks") is None, timeout=15)
         again = cli(op_id, "--destination", "hooks", *args)
         assert "not dead-lettered" in again.stdout
         for _ in range(5):

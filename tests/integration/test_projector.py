@@ -106,10 +106,17 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
     # SUCCEEDED straight after INTENT_RECORDED skips the dispatch: illegal, stored as an anomaly.
     produce(isolated, [intent, illegal])
     produce(isolated, good[len(good) // 2 :])
-    project_in_process(isolated)
+    projector = project_in_process(isolated)
     summary = assert_projection_matches(isolated, independent_fold(isolated))
     assert summary["dead"] == 2
     assert summary["anomalies"] == 1
+    counted = {
+        (s.labels["machine"], s.labels["kind"]): s.value
+        for family in projector._metrics.anomalies.collect()
+        for s in family.samples
+        if s.name == "opledger_anomalies_total"
+    }
+    assert counted == {("execution", "illegal"): 1}
     with psycopg.connect(isolated.dsn) as conn:
         reasons = [r[0] for r in conn.execute("SELECT reason FROM anomalies").fetchall()]
     assert reasons == ["illegal execution transition INTENT_RECORDED -> SUCCEEDED"]

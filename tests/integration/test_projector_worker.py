@@ -16,12 +16,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.settings import Settings
 from opledger.workload import Workload
-from tests.support import env_for, free_port, produce, produce_raw, wait_caught_up
+from tests.support import (
+    assert_no_identifying_labels,
+    env_for,
+    free_port,
+    produce,
+    produce_raw,
+    wait_caught_up,
+)
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
+    assert assert_no_identifying_labels(text) > 0
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -40,7 +48,14 @@ def test_worker_serves_metrics_that_match_the_projections(
     isolated: Settings, tmp_path: Path
 ) -> None:
     settings = isolated.with_(projector_web_port=free_port())
-    events = [e for op in Workload(seed=21).operations(400) for e in op]
+    operations = list(Workload(seed=21).operations(400))
+    # Two operations stop mid-delivery (one PENDING, one SENT): the workload finishes every
+    # delivery, and the delivery-age gauges need some left unfinished.
+    delivering = [op for op in operations if any(e.kind == "delivery" for e in op)][:2]
+    for op, kept in zip(delivering, (1, 2), strict=True):
+        first = next(i for i, e in enumerate(op) if e.kind == "delivery")
+        del op[first + kept :]
+    events = [e for op in operations for e in op]
     produce(settings, events)
     produce_raw(settings, settings.execution_topic, b"op_bad", b"garbage")
     log = tmp_path / "projector.log"
@@ -92,6 +107,30 @@ def test_worker_serves_metrics_that_match_the_projections(
                 assert m.get(key, 0.0) == counts.get((machine, outcome), 0), key
         dead = ("opledger_dead_letters_total", (("source_topic", settings.execution_topic),))
         assert m[dead] == 1
+
+        # The oldest unfinished delivery per destination and state, as the projection has it
+        # (refreshed every 5 s: wait for a refresh after the last record was projected).
+        def delivery_ages() -> dict[tuple[str, str], float]:
+            return {
+                (dict(labels)["destination"], dict(labels)["state"]): v
+                for (name, labels), v in _scrape(port).items()
+                if name == "opledger_delivery_oldest_age_seconds"
+            }
+
+        def open_deliveries() -> dict[tuple[str, str], float]:
+            with psycopg.connect(settings.dsn) as conn:
+                rows = conn.execute(
+                    "SELECT destination, state, extract(epoch FROM now() - min(state_entered_at))"
+                    " FROM deliveries WHERE state IN ('PENDING', 'SENT') GROUP BY 1, 2"
+                ).fetchall()
+            return {(d, s): float(age) for d, s, age in rows}
+
+        want = open_deliveries()
+        assert {state for _destination, state in want} == {"PENDING", "SENT"}, want
+        _wait_for(lambda: delivery_ages().keys() == want.keys())
+        ages, want = delivery_ages(), open_deliveries()  # read after: the database's are older
+        for key, age in ages.items():
+            assert want[key] - 20 <= age <= want[key], (key, age, want[key])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -30,7 +30,7 @@ from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
 from processors.recovery.worker import RecoveryWorker
 from producers import TrackedOperation, TransitionRecorder
-from tests.support import project_in_process, read_all
+from tests.support import assert_no_identifying_labels, project_in_process, read_all
 
 X = ExecutionState
 TOOL = "send_email"
@@ -105,6 +105,7 @@ class Rig:
         self.history.close()
         self.transport.close()
         self.pool.close()
+        assert assert_no_identifying_labels(self.registry) > 0
 
     def abandoned(self, *, dispatched: bool = False, unknown: bool = False) -> TrackedOperation:
         op = self.service.intent(
@@ -194,6 +195,9 @@ def test_a_dispatch_without_an_owner_becomes_unknown_then_is_reconciled(rig: Rig
     shape = _shape(rig.events(op))
     assert shape[-3:] == ["UNKNOWN#1", "MARK_SUCCEEDED:FOUND_SUCCEEDED", "SUCCEEDED#1"]
     assert rig.sample("opledger_detector_transitions_total") == 1
+    assert rig.sample("opledger_reconciliations_total", {"outcome": "succeeded"}) == 1
+    lookups = {"tool": TOOL, "result": "FOUND_SUCCEEDED"}
+    assert rig.sample("opledger_provider_lookups_total", lookups) == 1
     with ResultStore.connect(rig.settings.dsn) as store:
         assert store.get("acme", result_ref) is not None, "the recovered result is stored"
 
@@ -205,6 +209,9 @@ def test_a_confirmed_failure_found_by_lookup_is_recorded_failed(rig: Rig) -> Non
     rig.recover()
     assert rig.row(op)[:2] == ("FAILED", 1)
     assert rig.provider.stats().calls == 1
+    assert rig.sample("opledger_reconciliations_total", {"outcome": "failed"}) == 1
+    lookups = {"tool": TOOL, "result": "FOUND_FAILED"}
+    assert rig.sample("opledger_provider_lookups_total", lookups) == 1
 
 
 class _UnstorableReasons(MemoryProvider):
@@ -272,6 +279,9 @@ def test_not_found_with_policy_allowing_a_repeat_makes_one_new_attempt(rig: Rig)
     assert decisions[0].policy_allowed and decisions[0].policy_version
     assert dispatches[0].decision_id == decisions[0].event_id, "the dispatch cites its evidence"
     assert rig.policy.asked[-1].purpose is Purpose.NEW_ATTEMPT
+    assert rig.sample("opledger_reconciliations_total", {"outcome": "new_attempt"}) == 1
+    lookups = {"tool": TOOL, "result": "NOT_FOUND"}
+    assert rig.sample("opledger_provider_lookups_total", lookups) == 1
 
 
 def test_not_found_past_the_key_retention_is_parked_never_re_executed(isolated: Settings) -> None:
@@ -289,6 +299,7 @@ def test_not_found_past_the_key_retention_is_parked_never_re_executed(isolated: 
 
 
 def test_a_revoked_grant_refuses_a_new_attempt_and_keeps_the_history(rig: Rig) -> None:
+    started = time.time()
     op = rig.abandoned(unknown=True)
     rig.policy.revoked = True
     rig.recover(passes=2)
@@ -299,6 +310,16 @@ def test_a_revoked_grant_refuses_a_new_attempt_and_keeps_the_history(rig: Rig) -
     assert refused.lookup is LookupStatus.NOT_FOUND and not refused.policy_allowed
     assert refused.policy_version == REVOCATION
     assert _shape(rig.events(op))[:3] == ["INTENT_RECORDED#0", "DISPATCHED#1", "UNKNOWN#1"]
+    assert rig.sample("opledger_reconciliations_total", {"outcome": "refused"}) == 1
+    lookups = {"tool": TOOL, "result": "NOT_FOUND"}
+    assert rig.sample("opledger_provider_lookups_total", lookups) == 1
+    # The parked-age gauge is refreshed every 5 s: wind that back and make one more pass (it
+    # leaves the parked operation alone: nothing more is counted).
+    rig.worker._parked_checked_at = 0.0
+    rig.worker.run_once(range(rig.settings.partitions))
+    assert rig.sample("opledger_reconciliations_total", {"outcome": "refused"}) == 1
+    age = rig.sample("opledger_parked_oldest_age_seconds")
+    assert 0 < age <= time.time() - started + 1, age
 
 
 def test_a_found_success_is_recorded_even_when_policy_now_refuses(rig: Rig) -> None:

@@ -35,7 +35,7 @@ from ledger.result_fetch import result_url, sign_fetch
 from ledger.settings import Settings
 from producers import TransitionRecorder
 from tests.process_support import ROOT, kill, start_cli, wait_http
-from tests.support import env_for, free_port, grant
+from tests.support import assert_no_identifying_labels, env_for, free_port, grant
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +78,7 @@ def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes, str]:
 def _metric(port: int, name: str, label: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
         text = answer.read().decode()
+    assert assert_no_identifying_labels(text) > 0
     found = re.search(rf'^{name}\{{outcome="{label}"\}} (\S+)$', text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
