@@ -21,6 +21,11 @@ busy the machine's cores were (other work on a shared box shows there); then
 ``ratio = receiver p99 / baseline p99`` and the goal ``receiver p99 <= 10 ms``. After the receiver
 phase the consumer's tables are checked: one applied change per distinct key.
 
+Beside the receiver phase a probe thread commits one row every 5 ms to the same PostgreSQL
+(``--no-probe`` leaves it out): its latencies are the durable-commit floor each 202 stands on,
+and the receiver's requests over 10 ms are matched against the probe's commits over 20 ms (a
+request in flight while such a commit was). A disk whose fsync stalls shows there.
+
     PYTHONPATH=. .venv/bin/python bench/bench_consumer_receiver.py [--rate 1000] [--seconds 20]
 """
 
@@ -29,12 +34,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -137,10 +144,14 @@ class Connection:
 
 
 async def load(
-    port: int, requests: list[Request], rate: float, connections: int = 64
+    port: int,
+    requests: list[Request],
+    rate: float,
+    connections: int = 64,
+    timeline: list[tuple[float, float]] | None = None,
 ) -> tuple[list[float], Counter[int], float]:
     """Open-loop load; returns latencies (s), non-2xx answers by status (0: the connection
-    failed), and the achieved send rate."""
+    failed), and the achieved send rate. ``timeline`` (if given) gets (due, latency) pairs."""
     latencies: list[float] = []
     failures: Counter[int] = Counter()
     queue: asyncio.Queue[tuple[Request, float] | None] = asyncio.Queue()
@@ -157,6 +168,8 @@ async def load(
             if status // 100 != 2:
                 failures[status] += 1
             latencies.append(time.perf_counter() - due)
+            if timeline is not None:
+                timeline.append((due, latencies[-1]))
         if connection.writer is not None:
             connection.writer.close()
 
@@ -256,8 +269,64 @@ def wait_healthy(port: int, process: subprocess.Popen[bytes], timeout: float = 9
         time.sleep(0.2)
 
 
+class CommitProbe:
+    """One durable single-row commit every 5 ms on the same PostgreSQL server, in a thread of
+    this process, while a phase runs: the floor every ``202`` of the receiver stands on (it
+    answers after its inbox commit). A disk whose fsync stalls now and then stalls both."""
+
+    STALL_S = 0.020
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self.commits: list[tuple[float, float]] = []  # (start, seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commit-probe", daemon=True)
+
+    def __enter__(self) -> CommitProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        with psycopg.connect(self._dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (at float8)")
+            while not self._stop.wait(0.005):
+                started = time.perf_counter()
+                conn.execute("INSERT INTO bench_commit_probe VALUES (%s)", (started,))
+                self.commits.append((started, time.perf_counter() - started))
+
+    def report(self, timeline: list[tuple[float, float]]) -> None:
+        seconds = [c for _start, c in self.commits]
+        stalls = [(start, start + c) for start, c in self.commits if c > self.STALL_S]
+        print(
+            f"{'PostgreSQL commit probe (1/5 ms)':<34} {percentiles(seconds)}; "
+            f"{len(stalls)} over {self.STALL_S * 1000:.0f} ms"
+        )
+        slow = [(due, latency) for due, latency in timeline if latency > 0.010]
+        # A request slowed by a stall was due before it ended and answered after it began.
+        overlapping = sum(
+            1
+            for due, latency in slow
+            if any(due <= end and due + latency >= start for start, end in stalls)
+        )
+        share = overlapping / len(slow) if slow else 0.0
+        print(
+            f"{'':<34} requests over 10 ms: {len(slow)}; of them, in flight during a probe "
+            f"commit over {self.STALL_S * 1000:.0f} ms: {overlapping} ({share:.0%})"
+        )
+
+
 def phase(
-    name: str, argv: list[str], env: dict[str, str], port: int, args: argparse.Namespace
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    port: int,
+    args: argparse.Namespace,
+    *,
+    probe_dsn: str | None = None,
 ) -> list[float]:
     process = subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -273,8 +342,13 @@ def phase(
         gc.collect()
         gc.freeze()
         cpu_before, busy_before = process_cpu_s(process.pid), machine_busy()
+        timeline: list[tuple[float, float]] = []
+        probe = CommitProbe(probe_dsn) if probe_dsn else None
         try:
-            latencies, failures, sent = asyncio.run(load(port, requests, args.rate))
+            with probe or contextlib.nullcontext():
+                latencies, failures, sent = asyncio.run(
+                    load(port, requests, args.rate, timeline=timeline)
+                )
         finally:
             gc.unfreeze()
         cpu = (process_cpu_s(process.pid) - cpu_before) / len(requests) * 1e6
@@ -287,6 +361,8 @@ def phase(
             f"non-2xx {failures.total()}{refused}"
         )
         print(f"{'':<34} server CPU {cpu:5.0f} us/request; all cores {busy:.0%} busy")
+        if probe is not None:
+            probe.report(timeline)
         return latencies
     finally:
         process.send_signal(signal.SIGTERM)
@@ -303,6 +379,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first (3)")
     parser.add_argument("--duplicates", type=float, default=0.1, help="share of resends (0.1)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--no-probe", action="store_true", help="no PostgreSQL commit probe beside the receiver"
+    )
     parser.add_argument("--serve-baseline", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_baseline is not None:
@@ -343,6 +422,7 @@ def main() -> None:
             env | {"OPLEDGER_CONSUMER_WEB_PORT": str(port)},
             port,
             args,
+            probe_dsn=None if args.no_probe else settings.dsn,
         )
         with psycopg.connect(settings.dsn) as conn:
             row = conn.execute(
