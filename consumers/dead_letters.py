@@ -40,7 +40,8 @@ from ledger.topics import watermarks
 
 log = logging.getLogger("opledger.consumer.dead_letters")
 
-#: Header naming what kind of refusal a dead letter is (invalid, refused, conflict, unfetchable).
+#: Header naming what kind of refusal a dead letter is (invalid, foreign-tenant, refused,
+#: conflict, unfetchable).
 KIND_HEADER = "opledger-dlq-kind"
 #: Header naming the consumer that refused the record.
 CONSUMER_HEADER = "opledger-dlq-consumer"

@@ -96,8 +96,9 @@ class ConsumerMetrics:
             dead_letters=Counter(
                 "opledger_consumer_dead_letters_total",
                 "Queue records put on the consumers' dead-letter topic instead of being taken, "
-                "by kind: invalid, refused (fetched bytes not the result), conflict (key taken "
-                "with another body), unfetchable (result not fetched within the hold limit).",
+                "by kind: invalid, foreign-tenant, refused (fetched bytes not the result), "
+                "conflict (key taken with another body), unfetchable (result not fetched within "
+                "the hold limit).",
                 ["consumer", "kind"],
                 registry=registry,
             ),

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +108,8 @@ class _TakenOut:
     partition: Partition
     message: Any
     problem: ProblemError
-    #: invalid, refused (the bytes are not the result), conflict, unfetchable (hold limit)
+    #: invalid, foreign-tenant (not a tenant this consumer takes), refused (the bytes are not the
+    #: result), conflict, unfetchable (hold limit)
     kind: str
 
     @property
@@ -148,6 +149,7 @@ class QueueConsumer:
         max_fetched_bytes: int = MAX_FETCHED_BYTES_PER_PASS,
         hold_limit_s: float | None = None,
         dead_letter_timeout_s: float = DEAD_LETTER_TIMEOUT_S,
+        tenants: Collection[str] = (),
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -179,6 +181,10 @@ class QueueConsumer:
         self._releasable: list[tuple[Partition, int]] = []
         self._dead_letters: QueueDeadLetters | None = None
         self._dead_letter_timeout_s = dead_letter_timeout_s
+        #: the tenants whose records this consumer takes (empty: any). The delivery workers
+        #: append every tenant's queue records with their own broker rights, so the topic's
+        #: ACLs cannot keep another tenant's destination from naming this topic.
+        self._tenants = frozenset(tenants)
         self._dead_lettered = runtime.metrics.dead_letters
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
@@ -286,9 +292,16 @@ class QueueConsumer:
             first.setdefault(partition, message.offset())
             positions[partition] = message.offset() + 1
             try:
-                entries.append((partition, message, _parse(message)))
+                event = _parse(message)
             except ProblemError as exc:
                 taken_out.append(_TakenOut(partition, message, exc, "invalid"))
+                continue
+            if self._tenants and event.body.tenant_id not in self._tenants:
+                # Before any fetch: another tenant's result is not fetched either.
+                problem = invalid_event("the record's tenant is not one this consumer takes")
+                taken_out.append(_TakenOut(partition, message, problem, "foreign-tenant"))
+                continue
+            entries.append((partition, message, event))
         if later := self._past_the_fetch_budget(entries):
             # Read again by the next pass; only what came before them is handled and committed.
             self._rewind(later)

@@ -134,7 +134,11 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     _setup(settings)
     runtime = ConsumerRuntime(settings)
     consumer = QueueConsumer(
-        runtime, args.topic, group_id=args.group, fetch_secrets=settings.consumer_secret_list
+        runtime,
+        args.topic,
+        group_id=args.group,
+        fetch_secrets=settings.consumer_secret_list,
+        tenants=args.tenant or (),
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server  # noqa: PLC0415
@@ -234,6 +238,13 @@ def register(commands: Any) -> None:
     queue_parser.add_argument(
         "--group", default=None, help="consumer group (default <prefix>-consumer-<name>)"
     )
+    queue_parser.add_argument(
+        "--tenant",
+        action="append",
+        metavar="TENANT",
+        help="take only this tenant's records (repeatable; default: every tenant's); others "
+        "are dead-lettered unapplied, their results never fetched",
+    )
     for sub in (run_parser, queue_parser):
         sub.add_argument(
             "--name", default=None, help="consumer name (default OPLEDGER_CONSUMER_NAME)"
@@ -255,7 +266,7 @@ def register(commands: Any) -> None:
     redrive_parser.add_argument(
         "--kind",
         action="append",
-        choices=("invalid", "refused", "conflict", "unfetchable"),
+        choices=("invalid", "foreign-tenant", "refused", "conflict", "unfetchable"),
         help="only dead letters of this kind (repeatable; default: every kind)",
     )
     redrive_parser.add_argument(
