@@ -21,11 +21,14 @@ from urllib.parse import urlsplit
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from ledger.domain.events import recordable_destination
 from ledger.pg import retrying
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-SECRET_RE = re.compile(r"^whsec_[A-Za-z0-9+/=]{16,}$")
+# \Z, not $: "$" also matches before a final newline, which the database's checks refuse
+# (and then print the whole row, secret included, in their error and the server's log).
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
+SECRET_RE = re.compile(r"^whsec_[A-Za-z0-9+/=]{16,}\Z")
 WILDCARD = "*"
 MAX_URL = 2048
 
@@ -94,6 +97,12 @@ def check(
         raise DestinationError(
             f"destination name {name!r}: 1-64 of a-z 0-9 . _ -, starting with a letter or digit "
             "(it is a metric label and part of every delivery's webhook-id)"
+        )
+    if not recordable_destination(name):
+        # Not echoed: it looks like a credential.
+        raise DestinationError(
+            "that destination name looks like a credential (a key or token); every delivery "
+            "event names its destination, so choose a name that is not a secret"
         )
     if kind is Kind.WEBHOOK:
         check_webhook_url(target)

@@ -127,7 +127,7 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
         Kind,
         new_secret,
     )
-    from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.pg import DatabaseError, open_pool  # noqa: PLC0415
     from opledger import db  # noqa: PLC0415
 
     kind = Kind.WEBHOOK if args.url else Kind.QUEUE
@@ -136,7 +136,8 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_USAGE
     secret = None
     if args.secret_env:
-        secret = os.environ.get(args.secret_env)
+        # A secret mounted from a file usually ends with a newline: it is not part of it.
+        secret = (os.environ.get(args.secret_env) or "").strip()
         if not secret:
             print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
             return EXIT_USAGE
@@ -158,6 +159,14 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
             )
         except DestinationError as exc:
             print(f"destination refused: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except DatabaseError as exc:
+            # Never the driver's text: a refused row is quoted whole in it, secret included.
+            print(
+                f"destination not stored: the database refused it ({type(exc).__name__}); "
+                "nothing was changed",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
     print(f"{added.tenant_id}/{added.name}: {added.kind.value} -> {added.target}")
     # Shown once, to whoever configures the receiver; never logged, never in an event.

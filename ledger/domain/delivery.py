@@ -111,21 +111,37 @@ def judge(
     )
 
 
+#: The longest delay a ``Retry-After`` may ask for: a destination's answer is input from outside,
+#: and any longer wait is past every retry horizon anyway (the schedule's horizon then decides).
+MAX_RETRY_AFTER = timedelta(days=365)
+#: Longest header value read: delay-seconds and an HTTP-date are both far shorter.
+_MAX_RETRY_AFTER_CHARS = 64
+_ASCII_DIGITS = frozenset("0123456789")
+
+
 def parse_retry_after(value: str | None, now: datetime) -> timedelta | None:
     """A ``Retry-After`` header (delay-seconds or an HTTP-date, RFC 9110) as a delay from
-    ``now``; None if absent or unreadable (then the schedule alone decides)."""
+    ``now``, at most :data:`MAX_RETRY_AFTER`; None if absent or unreadable (then the schedule
+    alone decides). The value comes from the destination: nothing in it may raise."""
     if value is None:
         return None
     text = value.strip()
-    if text.isdigit():
-        return timedelta(seconds=int(text))
+    if not text or len(text) > _MAX_RETRY_AFTER_CHARS:
+        return None
+    # ASCII digits only: str.isdigit() is true for "²" or "٣", which int() refuses or reads
+    # as another number.
+    if set(text) <= _ASCII_DIGITS:
+        return min(timedelta(seconds=min(int(text), 10**10)), MAX_RETRY_AFTER)
     try:
         when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:  # an HTTP-date is always GMT
         when = when.replace(tzinfo=UTC)
-    return max(when - now, timedelta(0))
+    try:
+        return min(max(when - now, timedelta(0)), MAX_RETRY_AFTER)
+    except (OverflowError, TypeError):
+        return None
 
 
 #: Who appends the outbox's PENDINGs and the delivery worker's transitions.

@@ -101,6 +101,17 @@ ProviderRef = Annotated[
 
 
 _PROVIDER_REF: TypeAdapter[str] = TypeAdapter(ProviderRef)
+_DESTINATION: TypeAdapter[str] = TypeAdapter(Destination)
+
+
+def recordable_destination(name: str) -> bool:
+    """Whether a delivery event can carry ``name`` as its destination (the registry refuses
+    what the contract would: a destination no event can name would wedge every outbox)."""
+    try:
+        _DESTINATION.validate_python(name)
+    except ValidationError:
+        return False
+    return True
 
 
 def recordable_provider_ref(ref: str | None) -> str | None:

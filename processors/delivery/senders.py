@@ -32,10 +32,13 @@ import uvloop
 
 from ledger.domain.delivery import SendResult, parse_retry_after
 from ledger.metrics import Metrics
+from ledger.secrets import cut_tokens
 
 #: Bytes of an answer's body read (and dropped) to keep its connection reusable; past this the
 #: answer counts as complete and the connection is closed rather than drained.
 DRAIN_BYTES = 64 * 1024
+#: Bytes of a destination's HTTP reason phrase kept (the rest is dropped as it arrives).
+MAX_REASON_BYTES = 128
 #: An idle connection older than this is closed rather than reused: servers drop idle
 #: keep-alive connections after a few seconds (aiohttp 75 s, nginx 75 s, Node 5 s).
 IDLE_S = 4.0
@@ -208,7 +211,11 @@ class _Connection(asyncio.Protocol):
         self._retry_after = None
 
     def on_status(self, status: bytes) -> None:
-        self._reason += status
+        # The destination writes the reason phrase: keep what a person needs ("Service
+        # Unavailable"), not kilobytes that every later step (the scrub first) would carry.
+        room = MAX_REASON_BYTES + 1 - len(self._reason)  # one more: tells a cut phrase
+        if room > 0:
+            self._reason += status[:room]
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 11 and name.lower() == b"retry-after":
@@ -254,7 +261,7 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(
                 _Answer(
                     self._status,
-                    self._reason.decode("latin-1").strip(),
+                    cut_tokens(self._reason.decode("latin-1").strip(), MAX_REASON_BYTES),
                     None if retry_after is None else retry_after.decode("latin-1"),
                 )
             )

@@ -37,6 +37,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from psycopg_pool import ConnectionPool
+from pydantic import ValidationError
 
 from ledger.codec import EXECUTION_RECORD, Codec, default_codec
 from ledger.destinations import Destination, DestinationStore, Kind
@@ -63,7 +64,7 @@ from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.result_fetch import result_url
 from ledger.results import ResultStore, StoredResult
-from ledger.secrets import scrub
+from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
 from ledger.transport import OutgoingRecord, Transport, fits, record_size
 from processors.delivery.payload import Delivery, queue_headers, webhook_headers
@@ -394,7 +395,7 @@ class DeliveryWorker:
                 for n in configured.get((execution.tenant_id, execution.tool_name), ())
                 if n not in existing
             ]
-            for event in outbox_pendings(execution, names):
+            for event in self._pendings(execution, names):
                 outcome = apply_delivery(None, event, execution)
                 if not isinstance(outcome, Applied):
                     log.error("outbox PENDING refused by the fold: %s", outcome)
@@ -406,6 +407,31 @@ class DeliveryWorker:
         for item in fresh:
             self._remember(item.record, item.execution)
         return fresh
+
+    def _pendings(self, execution: ExecutionRecord, names: list[str]) -> list[DeliveryTransitioned]:
+        """The outbox's PENDINGs for ``execution``, less any destination no event can name (a
+        row the registry's checks did not see, written before them or by hand): that one is
+        logged and counted, and every other destination, of this tenant and the others, goes
+        on. Without this, one such row made every pass raise and the worker exit, for good."""
+        try:
+            return outbox_pendings(execution, names)
+        except ValidationError:
+            pass
+        pendings: list[DeliveryTransitioned] = []
+        for name in names:
+            try:
+                pendings.extend(outbox_pendings(execution, [name]))
+            except ValidationError:
+                self._metrics.deliveries.labels("unrecordable", "refused").inc()
+                # The name is not logged: the contract refused it as credential-shaped or
+                # malformed.
+                log.error(
+                    "tenant %s has a destination no delivery event can name (fix it in the "
+                    "registry); %s is not delivered there",
+                    execution.tenant_id,
+                    execution.operation_id,
+                )
+        return pendings
 
     # -- the sends -----------------------------------------------------------------------------
 
@@ -783,7 +809,7 @@ class DeliveryWorker:
             state=state,
             result_ref=record.result_ref,
             next_attempt_at=next_attempt_at,
-            error=None if error is None else scrub(storable_text(error))[:MAX_ERROR],
+            error=None if error is None else scrub(storable_text(cut_tokens(error, MAX_ERROR))),
         )
 
     def _applied(

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ledger.destinations import DestinationError, Kind, check, new_secret
 from ledger.domain.delivery import (
+    MAX_RETRY_AFTER,
     Outcome,
     SendResult,
     judge,
@@ -145,6 +146,30 @@ def test_retry_after_parses_seconds_and_http_dates() -> None:
     assert parse_retry_after("Mon, 30 Nov 2026 11:00:00 GMT", NOW) == timedelta(0)
     assert parse_retry_after("soon", NOW) is None
     assert parse_retry_after(None, NOW) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "delay"),
+    [
+        ("\u00b2", None),  # superscript two: str.isdigit() says yes, int() refuses
+        ("\u0663", None),  # Arabic-Indic three: int() would read 3
+        ("99999999999999999999", MAX_RETRY_AFTER),  # past timedelta's range
+        ("Fri, 31 Dec 9999 23:59:59 GMT", MAX_RETRY_AFTER),
+        ("1" * 65, None),  # longer than any real value
+        ("", None),
+    ],
+    ids=["superscript", "arabic-indic", "huge", "far-date", "long", "empty"],
+)
+def test_retry_after_from_a_hostile_destination_never_raises(
+    value: str, delay: timedelta | None
+) -> None:
+    assert parse_retry_after(value, NOW) == delay
+
+
+@given(st.text(max_size=80))
+def test_any_retry_after_is_none_or_a_bounded_delay(value: str) -> None:
+    delay = parse_retry_after(value, NOW)
+    assert delay is None or timedelta(0) <= delay <= MAX_RETRY_AFTER
 
 
 def test_schedules_parse_with_units_and_refuse_nonsense() -> None:
