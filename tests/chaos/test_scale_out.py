@@ -40,6 +40,20 @@ def _partitions(port: int) -> set[int]:
         return set(json.loads(answer.read())["partitions"])
 
 
+def _shared(ports: tuple[int, int], partitions: int) -> set[int]:
+    """Wait until the two workers on ``ports`` split every partition between them, none held
+    by both; returns the first worker's."""
+    deadline = time.monotonic() + 60
+    while True:
+        first, second = (_partitions(port) for port in ports)
+        if first and second and first | second == set(range(partitions)):
+            break
+        assert time.monotonic() < deadline, f"never shared: {first} / {second}"
+        time.sleep(0.2)
+    assert not first & second, "a partition looked after by both workers"
+    return first
+
+
 @pytest.mark.chaos
 def test_a_killed_recovery_worker_hands_its_partitions_to_the_other(
     isolated: Settings, tmp_path: Path
@@ -76,14 +90,7 @@ def test_a_killed_recovery_worker_hands_its_partitions_to_the_other(
         wait_http(f"http://127.0.0.1:{projector_port}/healthz")
         for port in worker_ports:
             wait_http(f"http://127.0.0.1:{port}/healthz")
-        deadline = time.monotonic() + 60
-        while True:
-            first, second = (_partitions(port) for port in worker_ports)
-            if first and second and first | second == set(range(isolated.partitions)):
-                break
-            assert time.monotonic() < deadline, f"never shared: {first} / {second}"
-            time.sleep(0.2)
-        assert not first & second, "a partition looked after by both workers"
+        first = _shared(worker_ports, isolated.partitions)
 
         os.killpg(workers[0].pid, signal.SIGKILL)
         assert workers[0].wait(timeout=30) == -signal.SIGKILL
@@ -140,14 +147,7 @@ def test_a_killed_delivery_worker_hands_its_partitions_to_the_other(
             rig.processes += workers
             for port in worker_ports:
                 wait_http(f"http://127.0.0.1:{port}/healthz")
-            deadline = time.monotonic() + 60
-            while True:
-                first, second = (_partitions(port) for port in worker_ports)
-                if first and second and first | second == set(range(isolated.partitions)):
-                    break
-                assert time.monotonic() < deadline, f"never shared: {first} / {second}"
-                time.sleep(0.2)
-            assert not first & second, "a partition looked after by both workers"
+            first = _shared(worker_ports, isolated.partitions)
 
             os.killpg(workers[0].pid, signal.SIGKILL)
             assert workers[0].wait(timeout=30) == -signal.SIGKILL

@@ -1381,6 +1381,15 @@ def test_one_pass_fetches_results_up_to_its_byte_budget(consumer_settings: Setti
 REDRIVE = [sys.executable, "-m", "opledger.cli", "consumer", "redrive"]
 
 
+def _redrive(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``opledger consumer redrive ARGS`` as a process; it must exit 0."""
+    done = subprocess.run(
+        [*REDRIVE, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def _dead_letters_of(settings: Settings, topic: str) -> list[dict[str, Any]]:
     """The consumers' dead letters of records from ``topic``, oldest first per partition."""
     dlq = settings.consumer_dead_letter_topic
@@ -1501,37 +1510,13 @@ def test_what_the_queue_consumer_cannot_take_is_dead_lettered_whole_and_redriven
     server.results[never] = result
     env = env_for(consumer_settings)
     # Both filters must match: the refused letter is at 1:1, not 0:0.
-    none = subprocess.run(
-        [*REDRIVE, "--topic", topic, "--kind", "refused", "--at", "0:0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert none.returncode == 0, none.stderr
+    none = _redrive(env, "--topic", topic, "--kind", "refused", "--at", "0:0")
     assert "0 record(s) put back" in none.stdout
-    redriven = subprocess.run(
-        [*REDRIVE, "--topic", topic, "--kind", "unfetchable", "--at", "0:0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert redriven.returncode == 0, redriven.stderr
+    redriven = _redrive(env, "--topic", topic, "--kind", "unfetchable", "--at", "0:0")
     assert f"redriven {topic}[0]@0" in redriven.stdout
     assert "1 record(s) put back" in redriven.stdout
     # A second redrive of every kind: the unfetchable one again, and the three others.
-    again = subprocess.run(
-        [*REDRIVE, "--topic", topic],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert again.returncode == 0, again.stderr
+    again = _redrive(env, "--topic", topic)
     assert "4 record(s) put back" in again.stdout
 
     consumer = _fetching_consumer(consumer_settings, topic, group, server.base_url)
