@@ -93,6 +93,35 @@ FORGOTTEN_HOLD_S = 24 * 3600.0
 Partition = tuple[str, int]
 
 
+class EveryTenant:
+    """The scope of a queue consumer that takes every tenant's records: a topic read on behalf
+    of all the tenants that may name it. Said on purpose (``tenants=EVERY_TENANT``, ``opledger
+    consumer queue --every-tenant``): a consumer with no scope would take what another tenant's
+    destination wrote to its topic."""
+
+    def __repr__(self) -> str:
+        return "EVERY_TENANT"
+
+
+EVERY_TENANT = EveryTenant()
+
+
+def tenant_scope(tenants: Collection[str] | EveryTenant) -> frozenset[str] | None:
+    """The tenants a consumer takes, or None for every tenant; an empty collection (a scope
+    that takes nothing) and a bare string (a collection of its letters) are refused."""
+    if isinstance(tenants, EveryTenant):
+        return None
+    if isinstance(tenants, str):
+        raise TypeError(f"tenants is a collection of tenant ids, not one string: [{tenants!r}]")
+    scope = frozenset(tenants)
+    if not scope:
+        raise ValueError(
+            "a queue consumer takes at least one tenant's records: name them, or pass "
+            "EVERY_TENANT for a consumer that receives for every tenant"
+        )
+    return scope
+
+
 def _headers(message: Any) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for name, value in message.headers() or ():
@@ -149,7 +178,7 @@ class QueueConsumer:
         max_fetched_bytes: int = MAX_FETCHED_BYTES_PER_PASS,
         hold_limit_s: float | None = None,
         dead_letter_timeout_s: float = DEAD_LETTER_TIMEOUT_S,
-        tenants: Collection[str] = (),
+        tenants: Collection[str] | EveryTenant,
     ) -> None:
         self.runtime = runtime
         self.topic = topic
@@ -181,10 +210,10 @@ class QueueConsumer:
         self._releasable: list[tuple[Partition, int]] = []
         self._dead_letters: QueueDeadLetters | None = None
         self._dead_letter_timeout_s = dead_letter_timeout_s
-        #: the tenants whose records this consumer takes (empty: any). The delivery workers
-        #: append every tenant's queue records with their own broker rights, so the topic's
-        #: ACLs cannot keep another tenant's destination from naming this topic.
-        self._tenants = frozenset(tenants)
+        #: the tenants whose records this consumer takes (None: every tenant). The delivery
+        #: workers append every tenant's queue records with their own broker rights, so the
+        #: topic's ACLs cannot keep another tenant's destination from naming this topic.
+        self._tenants = tenant_scope(tenants)
         self._dead_lettered = runtime.metrics.dead_letters
         self._retry_delay = FIRST_RETRY_DELAY_S
         #: partitions paused while a result of theirs cannot be fetched: when each resumes...
@@ -296,7 +325,7 @@ class QueueConsumer:
             except ProblemError as exc:
                 taken_out.append(_TakenOut(partition, message, exc, "invalid"))
                 continue
-            if self._tenants and event.body.tenant_id not in self._tenants:
+            if self._tenants is not None and event.body.tenant_id not in self._tenants:
                 # Before any fetch: another tenant's result is not fetched either.
                 problem = invalid_event("the record's tenant is not one this consumer takes")
                 taken_out.append(_TakenOut(partition, message, problem, "foreign-tenant"))

@@ -122,7 +122,7 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger consumer queue --topic T``: consume a queue destination until SIGTERM/SIGINT."""
     import signal  # noqa: PLC0415
 
-    from consumers.queue import QueueConsumer  # noqa: PLC0415
+    from consumers.queue import EVERY_TENANT, QueueConsumer  # noqa: PLC0415
     from consumers.runtime import ConsumerRuntime, ConsumerSetupError  # noqa: PLC0415
 
     read = _read_secrets_file(args, settings)
@@ -138,7 +138,7 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
         args.topic,
         group_id=args.group,
         fetch_secrets=settings.consumer_secret_list,
-        tenants=args.tenant or (),
+        tenants=EVERY_TENANT if args.every_tenant else args.tenant,
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server  # noqa: PLC0415
@@ -238,12 +238,21 @@ def register(commands: Any) -> None:
     queue_parser.add_argument(
         "--group", default=None, help="consumer group (default <prefix>-consumer-<name>)"
     )
-    queue_parser.add_argument(
+    # No default scope: a consumer that took every tenant unless told otherwise would take
+    # what another tenant's destination wrote to its topic.
+    scope = queue_parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
         "--tenant",
         action="append",
         metavar="TENANT",
-        help="take only this tenant's records (repeatable; default: every tenant's); others "
-        "are dead-lettered unapplied, their results never fetched",
+        help="take only this tenant's records (repeatable); others are dead-lettered "
+        "unapplied as foreign-tenant, their results never fetched",
+    )
+    scope.add_argument(
+        "--every-tenant",
+        action="store_true",
+        help="take every tenant's records (a consumer that receives for all the tenants "
+        "that may name its topic)",
     )
     for sub in (run_parser, queue_parser):
         sub.add_argument(

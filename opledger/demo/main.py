@@ -237,6 +237,7 @@ def _start_queue_consumer(
                 LOCAL_CONSUMER_SECRET,
                 "--metrics-port",
                 str(metrics_port),
+                *(arg for tenant in TENANTS for arg in ("--tenant", tenant)),
             ],
             stdin=subprocess.DEVNULL,
             stdout=out,

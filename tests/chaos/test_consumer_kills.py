@@ -282,7 +282,9 @@ def test_a_queue_consumer_killed_before_its_offset_commit_applies_once(
         finally:
             reader.close()
 
-    queue = ConsumerProcess(consumer_settings, tmp_path, "queue", "--topic", topic)
+    queue = ConsumerProcess(
+        consumer_settings, tmp_path, "queue", "--topic", topic, "--every-tenant"
+    )
     try:
         queue.start(fault="consumer.queue_after_commit_before_offsets:kill")
         assert queue.wait_exit(timeout=120) == -signal.SIGKILL, queue.tail()

@@ -37,7 +37,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from consumers.contract import MAX_BODY_BYTES, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX, Event
 from consumers.keystore import decode_entry, partition_of, record_key
-from consumers.queue import QueueConsumer, drain
+from consumers.queue import EVERY_TENANT, QueueConsumer, drain
 from consumers.receiver import Receiver, serve
 from consumers.runtime import ConsumerRuntime, migrate_database
 from consumers.signatures import SignatureVerifier
@@ -957,7 +957,7 @@ def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -
     _produce(consumer_settings, topic, good + malformed + good + [conflicting])
 
     runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(runtime, topic)
+    consumer = QueueConsumer(runtime, topic, tenants=EVERY_TENANT)
     try:
         consumer.open()
         assert drain(consumer) == len(good) * 2 + len(malformed) + 1
@@ -998,7 +998,7 @@ def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -
     # a fresh instance restores the keys from the key store and applies nothing.
     wait_published(consumer_settings, len(ops))
     again = ConsumerRuntime(consumer_settings, name="queue-crm")
-    replay = QueueConsumer(again, topic, group_id=f"{group}-replay")
+    replay = QueueConsumer(again, topic, group_id=f"{group}-replay", tenants=EVERY_TENANT)
     try:
         replay.open()
         assert again.restored is not None and again.restored.keys == len(ops)
@@ -1027,7 +1027,9 @@ def test_the_queue_consumer_waits_out_a_database_outage_longer_than_its_poll_int
     )
     ops = [new_op_id() for _ in range(20)]
     runtime = ConsumerRuntime(settings, name="queue-outage")
-    consumer = QueueConsumer(runtime, topic, kafka_config={"max.poll.interval.ms": 10_000})
+    consumer = QueueConsumer(
+        runtime, topic, kafka_config={"max.poll.interval.ms": 10_000}, tenants=EVERY_TENANT
+    )
     failures: list[BaseException] = []
     stop = threading.Event()
 
@@ -1096,7 +1098,7 @@ def test_queue_and_http_deliveries_of_one_consumer_share_its_keys(
         running.stop()
     _produce(consumer_settings, topic, [_queue_record(op, event_body(op))])
     runtime = ConsumerRuntime(consumer_settings)
-    consumer = QueueConsumer(runtime, topic)
+    consumer = QueueConsumer(runtime, topic, tenants=EVERY_TENANT)
     try:
         consumer.open()
         drain(consumer)
@@ -1186,7 +1188,7 @@ def _fetching_consumer(
         group_id=group,
         fetch_secrets=[SECRET],
         results_url=results_url,
-        **options,
+        **{"tenants": EVERY_TENANT, **options},
     )
 
 
@@ -1616,7 +1618,9 @@ def test_a_dead_letter_topic_that_does_not_answer_holds_the_batch_and_loses_noth
     caplog.set_level(logging.DEBUG, logger="opledger")
 
     runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
-    consumer = QueueConsumer(runtime, topic, group_id=group, dead_letter_timeout_s=2.0)
+    consumer = QueueConsumer(
+        runtime, topic, group_id=group, dead_letter_timeout_s=2.0, tenants=EVERY_TENANT
+    )
     try:
         consumer.open()
         until = time.monotonic() + 8

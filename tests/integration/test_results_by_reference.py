@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from standardwebhooks import Webhook
 
-from consumers.queue import QueueConsumer, drain
+from consumers.queue import EVERY_TENANT, QueueConsumer, drain
 from consumers.runtime import ConsumerRuntime
 from ledger.destinations import DestinationStore, Kind
 from ledger.domain.ids import canonical_json
@@ -328,6 +328,7 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
         topic,
         group_id=f"{group}-wrong",
         fetch_secrets=[OTHER_SECRET],
+        tenants=EVERY_TENANT,
     )
     try:
         runner = threading.Thread(target=wrong.run)
@@ -357,7 +358,9 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
         wrong.runtime.close()
 
     # No secret: the reference is refused and skipped; the small result is applied.
-    bare = QueueConsumer(ConsumerRuntime(settings, name="billing"), topic, group_id=group)
+    bare = QueueConsumer(
+        ConsumerRuntime(settings, name="billing"), topic, group_id=group, tenants=EVERY_TENANT
+    )
     try:
         bare.open()
         drain(bare)
@@ -377,6 +380,7 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
         topic,
         group_id=f"{group}-right",
         fetch_secrets=[QUEUE_SECRET],
+        tenants=EVERY_TENANT,
     )
     runner = threading.Thread(target=right.run)
     try:
