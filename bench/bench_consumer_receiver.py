@@ -24,7 +24,9 @@ phase the consumer's tables are checked: one applied change per distinct key.
 Beside the receiver phase a probe thread commits one row every 5 ms to the same PostgreSQL
 (``--no-probe`` leaves it out): its latencies are the durable-commit floor each 202 stands on,
 and the receiver's requests over 10 ms are matched against the probe's commits over 20 ms (a
-request in flight while such a commit was). A disk whose fsync stalls shows there.
+request in flight while such a commit was). A second probe ``fdatasync``s 8 KiB every 5 ms to a
+file beside the database (the same filesystem), without PostgreSQL: a disk whose fsync stalls
+shows in both; stalls in the commit probe alone would be the database's.
 
     PYTHONPATH=. .venv/bin/python bench/bench_consumer_receiver.py [--rate 1000] [--seconds 20]
 """
@@ -45,6 +47,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -269,20 +272,28 @@ def wait_healthy(port: int, process: subprocess.Popen[bytes], timeout: float = 9
         time.sleep(0.2)
 
 
-class CommitProbe:
-    """One durable single-row commit every 5 ms on the same PostgreSQL server, in a thread of
-    this process, while a phase runs: the floor every ``202`` of the receiver stands on (it
-    answers after its inbox commit). A disk whose fsync stalls now and then stalls both."""
+def _clock(epoch: float) -> str:
+    moment = datetime.fromtimestamp(epoch, tz=UTC)
+    return moment.strftime("%H:%M:%S.%f")[:-3]
+
+
+class Probe:
+    """One small durable write every 5 ms, in a thread of this process, while a phase runs; its
+    latencies, its stalls (writes over 20 ms) with their wall-clock times, and the receiver's
+    requests over 10 ms that were in flight during one of them."""
 
     STALL_S = 0.020
+    label = ""
 
-    def __init__(self, dsn: str) -> None:
-        self._dsn = dsn
-        self.commits: list[tuple[float, float]] = []  # (start, seconds)
+    def __init__(self) -> None:
+        self.writes: list[tuple[float, float]] = []  # (start, seconds)
+        # perf_counter has no epoch: this offset turns a start into wall-clock time, so a stall
+        # can be matched with the server's own log (a checkpoint, an autovacuum) by its time.
+        self._wall_offset = time.time() - time.perf_counter()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="commit-probe", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
 
-    def __enter__(self) -> CommitProbe:
+    def __enter__(self) -> Probe:
         self._thread.start()
         return self
 
@@ -291,20 +302,27 @@ class CommitProbe:
         self._thread.join(10)
 
     def _run(self) -> None:
-        with psycopg.connect(self._dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (at float8)")
-            while not self._stop.wait(0.005):
-                started = time.perf_counter()
-                conn.execute("INSERT INTO bench_commit_probe VALUES (%s)", (started,))
-                self.commits.append((started, time.perf_counter() - started))
+        raise NotImplementedError
+
+    def _timed(self, write: Callable[[], object]) -> None:
+        while not self._stop.wait(0.005):
+            started = time.perf_counter()
+            write()
+            self.writes.append((started, time.perf_counter() - started))
 
     def report(self, timeline: list[tuple[float, float]]) -> None:
-        seconds = [c for _start, c in self.commits]
-        stalls = [(start, start + c) for start, c in self.commits if c > self.STALL_S]
+        seconds = [c for _start, c in self.writes]
+        stalls = [(start, start + c) for start, c in self.writes if c > self.STALL_S]
         print(
-            f"{'PostgreSQL commit probe (1/5 ms)':<34} {percentiles(seconds)}; "
+            f"{self.label:<34} {percentiles(seconds)}; "
             f"{len(stalls)} over {self.STALL_S * 1000:.0f} ms"
         )
+        if stalls:
+            at = ", ".join(
+                f"{_clock(start + self._wall_offset)} ({(end - start) * 1000:.0f} ms)"
+                for start, end in stalls
+            )
+            print(f"{'':<34} stalls began (UTC): {at}")
         slow = [(due, latency) for due, latency in timeline if latency > 0.010]
         # A request slowed by a stall was due before it ended and answered after it began.
         overlapping = sum(
@@ -314,9 +332,60 @@ class CommitProbe:
         )
         share = overlapping / len(slow) if slow else 0.0
         print(
-            f"{'':<34} requests over 10 ms: {len(slow)}; of them, in flight during a probe "
-            f"commit over {self.STALL_S * 1000:.0f} ms: {overlapping} ({share:.0%})"
+            f"{'':<34} requests over 10 ms: {len(slow)}; of them, in flight during one of "
+            f"these stalls: {overlapping} ({share:.0%})"
         )
+
+
+class CommitProbe(Probe):
+    """A single-row commit on the same PostgreSQL server: the floor every ``202`` of the
+    receiver stands on (it answers after its inbox commit)."""
+
+    label = "PostgreSQL commit probe (1/5 ms)"
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__()
+        self._dsn = dsn
+
+    def _run(self) -> None:
+        with psycopg.connect(self._dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (at float8)")
+            self._timed(
+                lambda: conn.execute(
+                    "INSERT INTO bench_commit_probe VALUES (%s)", (time.perf_counter(),)
+                )
+            )
+
+
+class SyncProbe(Probe):
+    """8 KiB written and ``fdatasync``ed to a file beside the database's data directory (the
+    same filesystem), without PostgreSQL: the disk's own floor under any durable commit. Its
+    stalls where the commit probe has them say the disk stalls, not the database."""
+
+    label = "disk fdatasync probe (8 KiB/5 ms)"
+    BLOCK = 8192
+    SPAN = 16 * 1024 * 1024  # rewritten in place: the probe neither grows nor allocates
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self._path = directory / f"bench-sync-probe-{os.getpid()}.bin"
+
+    def _run(self) -> None:
+        block = os.urandom(self.BLOCK)
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        offset = 0
+
+        def write() -> None:
+            nonlocal offset
+            os.pwrite(fd, block, offset)
+            os.fdatasync(fd)
+            offset = (offset + self.BLOCK) % self.SPAN
+
+        try:
+            self._timed(write)
+        finally:
+            os.close(fd)
+            self._path.unlink(missing_ok=True)
 
 
 def phase(
@@ -326,7 +395,7 @@ def phase(
     port: int,
     args: argparse.Namespace,
     *,
-    probe_dsn: str | None = None,
+    probes: Callable[[], list[Probe]] = list,
 ) -> list[float]:
     process = subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -343,9 +412,11 @@ def phase(
         gc.freeze()
         cpu_before, busy_before = process_cpu_s(process.pid), machine_busy()
         timeline: list[tuple[float, float]] = []
-        probe = CommitProbe(probe_dsn) if probe_dsn else None
+        running = probes()
         try:
-            with probe or contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                for probe in running:
+                    stack.enter_context(probe)
                 latencies, failures, sent = asyncio.run(
                     load(port, requests, args.rate, timeline=timeline)
                 )
@@ -361,7 +432,7 @@ def phase(
             f"non-2xx {failures.total()}{refused}"
         )
         print(f"{'':<34} server CPU {cpu:5.0f} us/request; all cores {busy:.0%} busy")
-        if probe is not None:
+        for probe in running:
             probe.report(timeline)
         return latencies
     finally:
@@ -380,7 +451,9 @@ def main() -> None:
     parser.add_argument("--duplicates", type=float, default=0.1, help="share of resends (0.1)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
-        "--no-probe", action="store_true", help="no PostgreSQL commit probe beside the receiver"
+        "--no-probe",
+        action="store_true",
+        help="no PostgreSQL commit probe and no disk sync probe beside the receiver",
     )
     parser.add_argument("--serve-baseline", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -422,7 +495,9 @@ def main() -> None:
             env | {"OPLEDGER_CONSUMER_WEB_PORT": str(port)},
             port,
             args,
-            probe_dsn=None if args.no_probe else settings.dsn,
+            probes=list
+            if args.no_probe
+            else lambda: [CommitProbe(settings.dsn), SyncProbe(base.home)],
         )
         with psycopg.connect(settings.dsn) as conn:
             row = conn.execute(
