@@ -5,11 +5,15 @@ already taken with another body, and a result that could not be fetched for long
 hold limit: each goes, whole (key, value, its own headers), to the consumers' dead-letter topic
 with the reason and its coordinates, before the consumer commits its offset past it. Nothing is
 lost, the partition goes on, and ``opledger consumer redrive`` puts records back on their topic:
-the inbox refuses a key it already took, so a redrive applies a change at most once.
+the inbox refuses a key it already took, so a redrive applies a change at most once. A record
+too large to republish is dead-lettered as a reference (coordinates, size, sha256, a prefix);
+the redrive reads it back from its topic and checks it against the reference first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -33,7 +37,7 @@ from ledger.dead_letters import (
     own_headers,
     source_of,
 )
-from ledger.kafka import consumer_config, producer_config
+from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config, producer_config
 from ledger.records import Coordinates, DeadLetter
 from ledger.settings import Settings
 from ledger.topics import watermarks
@@ -48,6 +52,8 @@ CONSUMER_HEADER = "opledger-dlq-consumer"
 #: Seconds the broker has to acknowledge a pass's dead letters.
 PUBLISH_TIMEOUT_S = 30.0
 _TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+#: Room for a record's framing and headers above its key and value in the producer's limit.
+_RECORD_OVERHEAD_BYTES = 64 * 1024
 
 
 class DeadLetterUnavailableError(RuntimeError):
@@ -130,8 +136,11 @@ class RedriveReport:
     """What :func:`redrive` put back, and what it could not."""
 
     redriven: tuple[Coordinates, ...]
-    #: letters that carry only a reference to their record (too large to republish)
-    by_reference: tuple[Coordinates, ...]
+    #: of those, records whose letter held only a reference (too large to republish): read
+    #: back from their own topic at their coordinates, their size and sha256 checked
+    read_back: tuple[Coordinates, ...]
+    #: letters holding only a reference whose record cannot be read back, and why
+    unrecoverable: tuple[tuple[Coordinates, str], ...]
 
 
 def redrive(
@@ -149,21 +158,34 @@ def redrive(
     are read from the start of the dead-letter topic to its end as of now; a record
     dead-lettered twice (dead letters are published at least once) is redriven once, and a
     redrive repeated, or of a key the consumer took since, is a duplicate to the consumer's
-    inbox: the change is applied at most once."""
+    inbox: the change is applied at most once. A letter that holds only a reference to its
+    record (too large to republish) has the record read back from ``source_topic`` at its
+    coordinates, and put back only if its size and sha256 are the reference's: a record
+    deleted by retention since, or not the one dead-lettered, is reported, not guessed at."""
+    deadline = time.monotonic() + timeout_s
     letters = _letters_of(settings, source_topic, set(kinds), set(at), timeout_s)
     references = _references(letters)
-    wanted = [m for c, m in letters.items() if c not in references]
-    producer = Producer(producer_config(settings, client_id="opledger-consumer-redrive"))
+    read_back, unrecoverable = _read_back(settings, {c: letters[c] for c in references}, deadline)
+    wanted: list[tuple[Coordinates, Any, list[tuple[str, str | bytes | None]]]] = [
+        (c, m, [*own_headers(_raw_headers(m))]) for c, m in letters.items() if c not in references
+    ]
+    wanted += [(c, m, [*_raw_headers(m)]) for c, m in read_back.items()]
+    largest = max((len(m.key() or b"") + len(m.value() or b"") for _c, m, _h in wanted), default=0)
+    producer = Producer(
+        {
+            **producer_config(settings, client_id="opledger-consumer-redrive"),
+            # A record read back was taken by its topic, which may accept more than the
+            # producer's default: the broker, not this client, decides.
+            "message.max.bytes": max(MESSAGE_MAX_BYTES, largest + _RECORD_OVERHEAD_BYTES),
+        }
+    )
     failures: list[KafkaError] = []
 
     def on_delivery(error: KafkaError | None, _message: Any) -> None:
         if error is not None:
             failures.append(error)
 
-    for message in wanted:
-        source = source_of(_raw_headers(message))
-        assert source is not None  # _letters_of keeps only letters that name it
-        headers: list[tuple[str, str | bytes | None]] = [*own_headers(_raw_headers(message))]
+    for source, message, headers in wanted:
         producer.produce(
             source_topic,
             key=message.key(),
@@ -172,13 +194,82 @@ def redrive(
             partition=source.partition,
             on_delivery=on_delivery,
         )
-    remaining = producer.flush(timeout_s)
+    remaining = producer.flush(max(1.0, deadline - time.monotonic()))
     if remaining or failures:
         reasons = sorted({e.str() for e in failures}) or [f"{remaining} unacknowledged"]
         raise DeadLetterUnavailableError(f"redrive not acknowledged: {'; '.join(reasons)}")
     return RedriveReport(
-        tuple(sorted(c for c in letters if c not in references)), tuple(sorted(references))
+        tuple(sorted(c for c, _m, _h in wanted)),
+        tuple(sorted(read_back)),
+        tuple(sorted(unrecoverable.items())),
     )
+
+
+def _read_back(
+    settings: Settings, letters: Mapping[Coordinates, Any], deadline: float
+) -> tuple[dict[Coordinates, Any], dict[Coordinates, str]]:
+    """The records that reference ``letters`` name, read from their topic at their
+    coordinates and checked against the reference's size and sha256; or why not."""
+    found: dict[Coordinates, Any] = {}
+    missing: dict[Coordinates, str] = {}
+    if not letters:
+        return found, missing
+    reader = Consumer(
+        {
+            **consumer_config(
+                settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
+            ),
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        for source, letter in sorted(letters.items()):
+            try:
+                reference = json.loads(letter.value() or b"")
+                size, digest = int(reference["size_bytes"]), str(reference["sha256"])
+            except (ValueError, TypeError, KeyError):
+                missing[source] = "its dead letter's reference does not parse"
+                continue
+            partition = TopicPartition(source.topic, source.partition)
+            low, high = watermarks(reader, partition, deadline)
+            if not low <= source.offset < high:
+                missing[source] = (
+                    f"no longer on {source.topic} (partition {source.partition} holds offsets "
+                    f"{low} to {high - 1}): deleted by its retention"
+                )
+                continue
+            message = _record_at(reader, source, deadline)
+            if message.offset() != source.offset:
+                missing[source] = f"no longer on {source.topic}: compacted away"
+                continue
+            value = message.value() or b""
+            if len(value) != size or hashlib.sha256(value).hexdigest() != digest:
+                missing[source] = (
+                    "the record at its coordinates is not the one dead-lettered (its size or "
+                    "sha256 differs from the reference's)"
+                )
+                continue
+            found[source] = message
+        return found, missing
+    finally:
+        reader.close()
+
+
+def _record_at(reader: Consumer, source: Coordinates, deadline: float) -> Any:
+    """The first record at or after ``source``'s offset on its partition: another offset's
+    where compaction removed the record itself (the partition's last record is never removed,
+    so below the high watermark there is always one)."""
+    reader.assign([TopicPartition(source.topic, source.partition, source.offset)])
+    try:
+        while time.monotonic() < deadline:
+            for message in reader.consume(1, 0.5):
+                if message.error() is None:
+                    return message
+        raise DeadLetterUnavailableError(
+            f"{source.topic}[{source.partition}]@{source.offset} was not read back in time"
+        )
+    finally:
+        reader.unassign()
 
 
 def _raw_headers(message: Any) -> list[tuple[str, bytes | None]]:

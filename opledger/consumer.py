@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 #: Exit code for errors whose message says how to fix them (same as ``opledger.cli``).
 EXIT_USAGE = 2
+#: ``consumer redrive``: Kafka did not acknowledge; running it again is safe.
+EXIT_RETRY = 1
+#: ``consumer redrive``: some records could not be put back, and running it again will not
+#: change that (each is named with why; its dead letter stays).
+EXIT_UNRECOVERABLE = 4
 
 
 def _setup(settings: Settings) -> None:
@@ -173,20 +178,25 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
         report = put_back(settings, args.topic, kinds=args.kind or (), at=args.at or ())
     except DeadLetterUnavailableError as exc:
         print(f"opledger: {exc}; nothing is lost, run the redrive again", file=sys.stderr)
-        return 1
+        return EXIT_RETRY
+    read_back = set(report.read_back)
     for c in report.redriven:
-        print(f"redriven {c.topic}[{c.partition}]@{c.offset}")
-    for c in report.by_reference:
-        print(
-            f"not redriven {c.topic}[{c.partition}]@{c.offset}: its dead letter holds only a "
-            "reference (the record was too large to republish); read it at its coordinates"
+        how = (
+            " (read back from its topic: its dead letter held a reference)"
+            if c in read_back
+            else ""
         )
+        print(f"redriven {c.topic}[{c.partition}]@{c.offset}{how}")
+    for c, why in report.unrecoverable:
+        print(f"not redriven {c.topic}[{c.partition}]@{c.offset}: {why}")
     print(
         f"{len(report.redriven)} record(s) put back on {args.topic}; the consumers take each "
         "key at most once",
         flush=True,
     )
-    return 0
+    # A letter that could not be put back is not lost (it stays on the dead-letter topic with
+    # its size, digest and prefix), but a redrive that did not do all it was asked says so.
+    return EXIT_UNRECOVERABLE if report.unrecoverable else 0
 
 
 def _coordinates(raw: str) -> tuple[int, int]:
@@ -270,6 +280,12 @@ def register(commands: Any) -> None:
     redrive_parser = actions.add_parser(
         "redrive",
         help="put a queue topic's dead letters (records its consumers could not take) back on it",
+        description="Put a queue topic's dead letters back on it, each once. A letter that "
+        "holds only a reference (its record was too large to republish) has its record read "
+        "back from the topic and checked against the reference's size and sha256.",
+        epilog="exit codes: 0 done · 1 Kafka did not acknowledge (nothing is lost; run it "
+        "again) · 2 usage · 4 some letters' records could not be read back (deleted by "
+        "retention, or not the record dead-lettered); each is named, and its letter stays",
     )
     redrive_parser.add_argument("--topic", required=True, help="the queue destination's topic")
     redrive_parser.add_argument(

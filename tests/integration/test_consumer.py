@@ -41,7 +41,9 @@ from consumers.queue import EVERY_TENANT, QueueConsumer, drain
 from consumers.receiver import Receiver, serve
 from consumers.runtime import ConsumerRuntime, migrate_database
 from consumers.signatures import SignatureVerifier
+from ledger.dead_letters import DLQ_INLINE_LIMIT, by_reference, dead_letter_headers
 from ledger.domain.ids import canonical_json, content_ref
+from ledger.records import Coordinates, DeadLetter
 from ledger.result_fetch import result_url
 from ledger.settings import Settings
 from ledger.topics import end_offsets, ensure_topics
@@ -1539,6 +1541,127 @@ def test_what_the_queue_consumer_cannot_take_is_dead_lettered_whole_and_redriven
     assert outcomes["accepted"] == 1 and outcomes["duplicate"] == 1
     assert dead == {"invalid": 1, "refused": 1, "conflict": 1}, "taken out again, not applied"
     assert _committed(consumer_settings, group, topic) == {0: 4, 1: 5, 2: 3}
+
+
+def test_a_dead_letter_holding_a_reference_is_read_back_checked_and_redriven_once(
+    consumer_settings: Settings,
+) -> None:
+    """Two records too large to republish (about 935 KB, over the dead-letter topic's inline
+    limit) go to the dead letters as references: the consumer was scoped to acme only, and they
+    are globex's. Then one of them is deleted from its topic by retention. A redrive with the
+    scope fixed reads the other back at its coordinates, checks its size and sha256, and puts
+    it back, whole: it is applied once, and a second redrive applies nothing more. The deleted
+    one is named with why (exit 4), not guessed at, and its letter stays."""
+    topic = _queue_topic(consumer_settings)
+    big, gone, small = new_op_id(), new_op_id(), new_op_id()
+    large_result = os.urandom(700 * 1024)  # ~935 KB of body once in base64
+    records = [
+        _queue_record(big, event_body(big, tenant="globex", result=large_result), partition=0),
+        _queue_record(small, event_body(small), partition=0),
+        _queue_record(gone, event_body(gone, tenant="globex", result=large_result), partition=1),
+    ]
+    assert len(records[0]["value"]) > DLQ_INLINE_LIMIT
+    _produce(consumer_settings, topic, records)
+    group = f"{consumer_settings.topic_prefix}-scoped"
+
+    def consume(tenants: list[str]) -> None:
+        runtime = ConsumerRuntime(consumer_settings, name="queue-crm")
+        try:
+            consumer = QueueConsumer(runtime, topic, group_id=group, tenants=tenants)
+            consumer.open()
+            drain(consumer)
+            consumer.close()
+        finally:
+            runtime.close()
+
+    consume(["acme"])
+    assert changes_per_operation(consumer_settings) == Counter({small: 1})
+    letters = _dead_letters_of(consumer_settings, topic)
+    assert [(letter["at"], letter["kind"]) for letter in letters] == [
+        ((0, 0), "foreign-tenant"),
+        ((1, 0), "foreign-tenant"),
+    ]
+    for letter, source in zip(letters, (records[0], records[2]), strict=True):
+        reference = json.loads(letter["value"])
+        assert reference["by_reference"] is True
+        assert reference["sha256"] == hashlib.sha256(source["value"]).hexdigest()
+
+    admin = AdminClient({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    for future in admin.delete_records([TopicPartition(topic, 1, 1)]).values():
+        future.result(30)
+
+    env = env_for(consumer_settings)
+    done = subprocess.run(
+        [*REDRIVE, "--topic", topic, "--kind", "foreign-tenant"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 4, (done.stdout, done.stderr)
+    assert f"redriven {topic}[0]@0 (read back from its topic" in done.stdout
+    assert f"not redriven {topic}[1]@0: no longer on {topic}" in done.stdout
+    assert "1 record(s) put back" in done.stdout
+
+    consume(["acme", "globex"])
+    assert changes_per_operation(consumer_settings) == Counter({small: 1, big: 1})
+    with psycopg.connect(consumer_settings.consumer_dsn) as conn:
+        row = conn.execute(
+            "SELECT fingerprint FROM consumer_inbox WHERE operation_id = %s", (big,)
+        ).fetchone()
+    assert row is not None and bytes(row[0]) == hashlib.sha256(records[0]["value"]).digest(), (
+        "the record put back is the one dead-lettered, byte for byte"
+    )
+    again = _redrive(env, "--topic", topic, "--at", "0:0")
+    assert "1 record(s) put back" in again.stdout
+    consume(["acme", "globex"])
+    assert changes_per_operation(consumer_settings) == Counter({small: 1, big: 1})
+    assert len(_dead_letters_of(consumer_settings, topic)) == 2, "the deleted one's letter stays"
+
+
+def test_a_reference_whose_digest_is_not_the_records_is_not_redriven(
+    consumer_settings: Settings,
+) -> None:
+    """A dead letter naming a record by reference, with a sha256 the record at those
+    coordinates does not have (written by hand here; a letter of another cluster's topic of the
+    same name would be the same): the redrive does not put that record back in its place."""
+    topic = _queue_topic(consumer_settings)
+    op = new_op_id()
+    record = _queue_record(op, event_body(op), partition=2)
+    _produce(consumer_settings, topic, [record])
+    letter = by_reference(
+        DeadLetter(
+            Coordinates(topic, 2, 0),
+            "invalid: test",
+            record["key"],
+            b"x" * len(record["value"]),  # the record's size, other bytes: only the digest differs
+            0,
+        )
+    )
+    headers = dead_letter_headers(letter, [("opledger-dlq-kind", b"invalid")])
+    producer = Producer({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    producer.produce(
+        consumer_settings.consumer_dead_letter_topic,
+        key=letter.key,
+        value=letter.value,
+        headers=headers,
+    )
+    assert producer.flush(30) == 0
+    done = subprocess.run(
+        [*REDRIVE, "--topic", topic, "--at", "2:0"],
+        env=env_for(consumer_settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 4, (done.stdout, done.stderr)
+    assert f"not redriven {topic}[2]@0: the record at its coordinates is not the one" in (
+        done.stdout
+    )
+    assert "0 record(s) put back" in done.stdout
+    assert end_offsets(consumer_settings, [topic])[(topic, 2)] == 1, "nothing put back"
 
 
 def test_the_hold_limit_counts_across_restarts_and_rebalances(consumer_settings: Settings) -> None:
