@@ -254,12 +254,18 @@ class HistoryReader:
                         continue
                     if offset == end - 1:
                         del remaining[key]
-                    if message.key() not in keys:
+                    key_bytes = message.key()
+                    if key_bytes not in keys:
                         continue
                     try:
-                        events.append(self._codec.decode_operation(message.value() or b""))
+                        event = self._codec.decode_operation(message.value() or b"")
                     except DecodeError:
                         continue  # the projector dead-letters it; it is no part of any state
+                    if event.operation_id.encode() != key_bytes:
+                        # Keyed by one operation, carrying another's event: the projector
+                        # dead-letters it, so it is no part of either operation's state.
+                        continue
+                    events.append(event)
             return events, reached
         except KafkaException as exc:
             raise HistoryError(f"the log's tail could not be read: {exc}") from exc

@@ -34,6 +34,11 @@ COMPONENT = "ledger"
 
 #: Largest stored request (canonical JSON of the arguments).
 MAX_REQUEST_BYTES = 1024 * 1024
+#: The largest token an event can carry (``ledger.domain.events.LeaseToken``). A lease whose
+#: token reached it (a restored or hand-edited row: a token grows by one per take-over) is never
+#: taken over again: the next token could be recorded by no one, and raising it would fail every
+#: take-over of the statement it is in.
+MAX_TOKEN = 2**62
 
 
 #: A new operation's lease (token 1) and its request, in one statement (see LeaseStore.create).
@@ -147,7 +152,14 @@ class LeaseStore:
         creator's, which its intent may carry though the lease was never stored (a fresh
         operation's lease is committed while its intent is in flight, and may fail), and a
         claim with the token already recorded would be fenced. (A writer without leases
-        records no token: 2 is above that too.)"""
+        records no token: 2 is above that too.)
+
+        A lease row held under another tenant's name (an intent that tenant recorded under
+        this operation's id, refused by the projector as a tenant mismatch) owns nothing: it is
+        taken whatever its expiry, and given back to ``tenant_id``, but only where the
+        projection says the operation is ``tenant_id``'s. The caller's word is not enough:
+        a tenant naming itself for another's operation would otherwise take a live lease. A
+        lease whose token reached ``MAX_TOKEN`` is never taken."""
         pairs = list(operations)
         if not pairs:
             return {}
@@ -167,10 +179,18 @@ class LeaseStore:
                        ), taken AS (
                            UPDATE operation_leases l
                               SET token = l.token + 1, owner = %s, expires_at = now() + %s,
-                                  updated_at = now()
+                                  updated_at = now(), tenant_id = w.tenant
                              FROM wanted w
-                            WHERE l.operation_id = w.op AND l.tenant_id = w.tenant
-                              AND (l.expires_at <= now() OR %s OR l.owner = %s)
+                            WHERE l.operation_id = w.op
+                              AND l.token < %s
+                              AND CASE WHEN l.tenant_id = w.tenant
+                                       THEN l.expires_at <= now() OR %s OR l.owner = %s
+                                       -- another tenant's row: taken only where the projection
+                                       -- (the log) says the operation is the caller's tenant's
+                                       ELSE EXISTS (SELECT 1 FROM agent_operations o
+                                                     WHERE o.operation_id = w.op
+                                                       AND o.tenant_id = w.tenant)
+                                  END
                               AND l.operation_id NOT IN (SELECT operation_id FROM fresh)
                            RETURNING l.operation_id, l.tenant_id, l.token
                        )
@@ -182,6 +202,7 @@ class LeaseStore:
                         ttl,
                         self.owner,
                         ttl,
+                        MAX_TOKEN,
                         force,
                         self.owner,
                     ),

@@ -26,6 +26,13 @@ EXIT_USAGE = 2
 
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+#: The longest duration accepted: far past any age or expiry that means something, and short
+#: enough that "now" plus or minus it is an instant Python and PostgreSQL both hold.
+MAX_DURATION = timedelta(days=1000 * 365)
+
+
+class DurationTooLongError(argparse.ArgumentTypeError):
+    """A duration longer than :data:`MAX_DURATION`."""
 
 
 def parse_duration(text: str) -> timedelta:
@@ -35,7 +42,14 @@ def parse_duration(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(
             f"not a duration: {text!r} (a positive whole number and a unit: 90s, 5m, 2h, 1d, 1w)"
         )
-    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    amount = int(match.group(1))
+    unit = timedelta(**{_UNITS[match.group(2)]: 1})
+    # Compared before a timedelta is built: 99999999999w is more than timedelta can hold.
+    if amount > MAX_DURATION // unit:
+        raise DurationTooLongError(
+            f"too long a duration: {text!r} (at most {MAX_DURATION.days} days)"
+        )
+    return amount * unit
 
 
 def _limit(text: str) -> int:
@@ -168,11 +182,45 @@ def show_command(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cancel_problems(actor: str, reason: str) -> list[str]:
+    """Why the log would refuse a cancel by ``actor`` for ``reason``, option by option (empty
+    when it would take it). Checked before anything is done: a cancel takes the operation's
+    lease by force first, so one refused afterwards would have taken it from a live owner for
+    nothing. A refused value is never quoted back (a reason may hold a pasted secret)."""
+    from pydantic import TypeAdapter, ValidationError  # noqa: PLC0415
+
+    from ledger.domain import events  # noqa: PLC0415
+
+    problems = []
+    try:
+        TypeAdapter(events.Identifier).validate_python(actor)
+    except ValidationError:
+        problems.append(
+            "--actor: not valid: use letters, digits and . _ : @ / - (starting with a letter "
+            "or digit, at most 128 characters)"
+        )
+    # The reason is recorded on its own (the decision) and, before dispatch, inside the error.
+    said = f"cancelled before dispatch by {actor}: {reason}"
+    for text in (reason, said):
+        try:
+            TypeAdapter(events.ErrorText).validate_python(text)
+        except ValidationError as exc:
+            message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+            if exc.errors()[0]["type"] == "string_too_long":
+                message = f"too long: at most {events.MAX_ERROR_LENGTH} characters with --actor"
+            problems.append(f"--reason: {message}")
+            break
+    return problems
+
+
 def cancel_command(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger ops cancel OP_ID``."""
     from ledger.errors import RecordError  # noqa: PLC0415
     from producers import TransitionRecorder  # noqa: PLC0415
 
+    problems = cancel_problems(args.actor, args.reason)
+    if problems:
+        return _fail("\n".join([*problems, "nothing was recorded"]))
     try:
         with TransitionRecorder.connect(settings, owner=f"cancel:{args.actor}") as recorder:
             handle = recorder.cancel(args.operation_id, args.tenant, args.actor, args.reason)

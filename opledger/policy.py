@@ -13,7 +13,6 @@ through the stack and database commands).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import getpass
 import json
 import os
@@ -385,13 +384,17 @@ def _check(field: str, value: str, option: str | None = None) -> None:
 
 def _instant(option: str, text: str | None, now: datetime) -> datetime | None:
     """An instant from ``ISO`` (with a time zone) or a ``DURATION`` from now; must be later."""
-    from opledger.ops import parse_duration  # noqa: PLC0415
+    from opledger.ops import DurationTooLongError, parse_duration  # noqa: PLC0415
 
     if text is None:
         return None
     moment: datetime | None = None
-    with contextlib.suppress(argparse.ArgumentTypeError):  # not a duration: an instant, then
+    try:
         moment = now + parse_duration(text)
+    except DurationTooLongError as exc:
+        raise InputError(f"{option}: {exc}") from None
+    except argparse.ArgumentTypeError:
+        pass  # not a duration: an instant, then
     if moment is None:
         try:
             moment = datetime.fromisoformat(text.strip())

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -51,14 +52,14 @@ from ledger.domain.events import (
 )
 from ledger.domain.fold import Applied, ExecutionRecord, apply_control, apply_execution
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
-from ledger.domain.reconcile import Decision, LookupStatus, decide
+from ledger.domain.reconcile import Decision, LookupStatus, Verdict, decide
 from ledger.domain.states import ExecutionState
 from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader, Snapshot, View
 from ledger.kafka import consumer_config
-from ledger.leases import Lease, LeaseStore
+from ledger.leases import MAX_TOKEN, Lease, LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.results import (
@@ -67,9 +68,9 @@ from ledger.results import (
     ResultStore,
     recordable_content_type,
 )
-from ledger.secrets import scrub
+from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
-from ledger.tools import ContactLost, LookupResult, Provider
+from ledger.tools import CallOutcome, ContactLost, LookupResult, Provider
 from ledger.transport import OutgoingRecord, Transport
 from processors.health import Health
 
@@ -88,17 +89,25 @@ DECIDE_GROUP = 64
 LEASE_MARGIN = timedelta(seconds=10)
 #: Backoff of a lookup the provider could not answer: doubles from the first to the last.
 LOOKUP_BACKOFF = (timedelta(seconds=1), timedelta(seconds=60))
+#: A pass waits for lookup answers at most this long past the longest call timeout without any
+#: answer coming; the lookups still out are then left for a later pass.
+LOOKUP_GRACE = timedelta(seconds=2)
 MAX_ERROR = 1000
+#: How far ahead of this worker's clock an attempt may be stamped (writers' clocks differ a
+#: little) before its age, on which a new attempt depends, is not believed.
+CLOCK_SKEW_TOLERANCE = timedelta(seconds=60)
 
 _CANDIDATES_SQL = """
 SELECT o.operation_id, o.tenant_id, o.execution_state, o.tool_name, o.state_entered_at,
-       o.attempt
+       o.attempt, l.token
   FROM agent_operations o
   LEFT JOIN operation_leases l ON l.operation_id = o.operation_id
  WHERE o.kafka_partition = ANY(%(partitions)s)
    AND o.execution_state IN ('INTENT_RECORDED', 'DISPATCHED', 'UNKNOWN')
    AND o.parked IS NULL
-   AND (l.expires_at IS NULL OR l.expires_at <= now())
+   -- a lease row of another tenant (an intent it recorded under this id, refused by the
+   -- projector) owns nothing, whatever its expiry: LeaseStore.take_over gives it back
+   AND (l.expires_at IS NULL OR l.expires_at <= now() OR l.tenant_id <> o.tenant_id)
  ORDER BY o.state_entered_at
  LIMIT %(limit)s
 """
@@ -133,6 +142,8 @@ class Candidate:
     tool_name: str
     state_entered_at: datetime
     attempt: int
+    #: the token of its lease row, if it has one
+    lease_token: int | None = None
 
 
 class RecoveryWorker:
@@ -168,13 +179,24 @@ class RecoveryWorker:
         self._metrics = metrics
         self._codec = codec or default_codec()
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="opledger-recover")
+        # Lookups have threads of their own: one a provider never answers holds its thread,
+        # never one the pass needs for its calls.
+        self._lookup_threads = ThreadPoolExecutor(threads, thread_name_prefix="opledger-lookup")
+        # And calls theirs: a call is waited for at most its tool's call timeout, so one that
+        # never returns holds its thread, never the pass (every other operation waits on it).
+        self._call_threads = ThreadPoolExecutor(threads, thread_name_prefix="opledger-call")
         self._thread_count = threads
+        #: operations whose lookup has not returned yet (perhaps from an earlier pass): not
+        #: looked at again until it has, so a provider that hangs holds one thread per operation
+        self._in_lookup: set[str] = set()
+        self._lookup_lock = threading.Lock()
         self._stopping = threading.Event()
         self._consumer: Consumer | None = None
         self._assigned: set[int] = set()
         #: operation id -> (monotonic time before which it is not looked at again, next delay)
         self._backoff: dict[str, tuple[float, timedelta]] = {}
         self._warned_tools: set[str] = set()
+        self._warned_tokens: set[str] = set()
         self._parked_checked_at = 0.0
         self.health = Health("recovery worker")
 
@@ -226,6 +248,8 @@ class RecoveryWorker:
             self._consumer.close()
             self._consumer = None
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._lookup_threads.shutdown(wait=False, cancel_futures=True)
+        self._call_threads.shutdown(wait=False, cancel_futures=True)
 
     def poll_group(self, timeout: float) -> None:
         """Serve the group protocol (rebalances, heartbeats) for up to ``timeout`` seconds."""
@@ -297,16 +321,21 @@ class RecoveryWorker:
         self._concurrently(self._with_requests(states), self._call_stored)
         for state in states:
             if state.failure is not None:  # one operation's trouble never stops the others
-                log.warning("an operation was left for a later pass: %s", state.failure)
+                log.warning("an operation was left for a later pass: %s", _said(state.failure))
         handled = self._record(states)
         self._leases.release(list(taken.values()))
         return handled
 
     def _look_up_and_decide(self, states: Sequence[_State]) -> None:
-        """Ask the providers about every UNKNOWN attempt on the thread pool and decide each
+        """Ask the providers about every UNKNOWN attempt on the lookup threads and decide each
         operation here as the answers come back, a group at a time: policy is read once per
         subject for a group, right before its decisions (current policy, seed rule 3; nothing
-        is kept from one group to the next), while the pool asks about the rest."""
+        is kept from one group to the next), while the threads ask about the rest.
+
+        A provider that stops answering stalls only its own operations: once no answer has
+        come for the longest call timeout plus ``LOOKUP_GRACE``, the lookups still out are left
+        for a later pass (backed off), and an operation is not asked about again until its
+        unanswered lookup has returned."""
         live = [s for s in states if s.failure is None]
         group = [s for s in live if s.execution.state is X.INTENT_RECORDED]
         by_batch: dict[str, list[_State]] = {}
@@ -318,6 +347,10 @@ class RecoveryWorker:
                 else:
                     one_by_one.append(state)
         answered: queue.SimpleQueue[_State] = queue.SimpleQueue()
+        outstanding = {id(s): s for s in one_by_one}
+        outstanding.update((id(s), s) for batch in by_batch.values() for s in batch)
+        with self._lookup_lock:
+            self._in_lookup.update(s.execution.operation_id for s in outstanding.values())
 
         def drain() -> None:
             while True:
@@ -325,13 +358,19 @@ class RecoveryWorker:
                     state = one_by_one.popleft()
                 except IndexError:
                     return
-                self._guarded(state, self._look_up)
-                answered.put(state)
+                try:
+                    self._guarded(state, self._look_up)
+                finally:
+                    self._looked_up([state])
+                    answered.put(state)
 
-        outstanding = len(one_by_one) + sum(len(batch) for batch in by_batch.values())
-        jobs = [self._threads.submit(self._look_up_many, b, answered) for b in by_batch.values()]
+        jobs = [
+            self._lookup_threads.submit(self._look_up_many, b, answered) for b in by_batch.values()
+        ]
         threads = min(self._thread_count - len(jobs), len(one_by_one))
-        jobs += [self._threads.submit(drain) for _ in range(max(threads, 1 if one_by_one else 0))]
+        jobs += [
+            self._lookup_threads.submit(drain) for _ in range(max(threads, 1 if one_by_one else 0))
+        ]
         while True:
             if group:
                 self._check_policy(group)
@@ -339,10 +378,47 @@ class RecoveryWorker:
                     self._guarded(state, self._decide)
             if not outstanding:
                 break
-            group = self._answers(answered, min(DECIDE_GROUP, outstanding), jobs)
-            outstanding -= len(group)
-        for job in jobs:
-            job.result()
+            group = self._answers(answered, min(DECIDE_GROUP, len(outstanding)), jobs)
+            if not group:
+                self._give_up_lookups(list(outstanding.values()), one_by_one)
+                return
+            for state in group:
+                outstanding.pop(id(state), None)
+        for job in jobs:  # a job still running after its last answer is not waited for
+            if job.done() and job.exception() is not None:
+                raise RuntimeError("a lookup thread died") from job.exception()
+
+    def _give_up_lookups(self, unanswered: Sequence[_State], not_started: deque[_State]) -> None:
+        """No lookup answered for the patience: leave the operations still waiting for a later
+        pass. Those whose lookup is under way stay marked as being looked up until it returns
+        (whatever it says then is dropped); those not started yet are not started at all."""
+        never: list[_State] = []
+        with contextlib.suppress(IndexError):
+            while True:
+                never.append(not_started.popleft())
+        self._looked_up(never)
+        patience = self._lookup_patience().total_seconds()
+        tools = sorted({s.provider.tool_name for s in unanswered})
+        log.warning(
+            "%d lookups (%s) unanswered after %.1fs without any answer; left for a later pass",
+            len(unanswered),
+            ", ".join(tools),
+            patience,
+        )
+        for state in unanswered:
+            state.failure = TimeoutError(
+                f"{state.provider.tool_name}: no lookup answer within {patience:.1f}s"
+            )
+            self._back_off(state.execution.operation_id)
+
+    def _looked_up(self, states: Iterable[_State]) -> None:
+        with self._lookup_lock:
+            self._in_lookup.difference_update(s.execution.operation_id for s in states)
+
+    def _lookup_patience(self) -> timedelta:
+        """How long a pass waits without any lookup answering before it gives up on the rest."""
+        longest = max(p.terms.call_timeout for p in self._providers.values())
+        return longest + LOOKUP_GRACE
 
     def _look_up_many(self, states: Sequence[_State], answered: queue.SimpleQueue[_State]) -> None:
         """Ask one provider about ``states`` at once (``BatchLookup``); each is put in
@@ -357,32 +433,46 @@ class RecoveryWorker:
                     for s in states
                 ]
             ):
+                if not isinstance(index, int):
+                    continue  # not an index into the requests: never anyone's answer
                 state = unanswered.pop(index, None)
-                if state is not None:  # a second answer to one request is ignored
-                    self._answer(state, lookup.status, lookup)
+                if state is None:  # a second answer to one request is ignored
+                    continue
+                try:
+                    self._answer(state, lookup)
+                except Exception as exc:  # pragma: no cover - _answer reads defensively
+                    state.failure = exc
+                finally:
+                    self._looked_up([state])
                     answered.put(state)
         except Exception as exc:  # left for a later pass; never decided by raising
-            log.warning("lookups of %s broke off: %s", provider.tool_name, exc)
+            log.warning("lookups of %s broke off: %s", provider.tool_name, _said(exc))
             failure: Exception = exc
         else:
             failure = RuntimeError(f"{provider.tool_name}: lookup_many left requests unanswered")
+        self._looked_up(unanswered.values())
         for state in unanswered.values():
             state.failure = failure
             answered.put(state)
 
-    @staticmethod
     def _answers(
-        answered: queue.SimpleQueue[_State], at_least: int, jobs: Sequence[Future[None]]
+        self, answered: queue.SimpleQueue[_State], at_least: int, jobs: Sequence[Future[None]]
     ) -> list[_State]:
-        """At least ``at_least`` answered operations (more if they are there already)."""
+        """At least ``at_least`` answered operations (more if they are there already); fewer,
+        possibly none, once no answer has come for the lookup patience."""
+        patience = self._lookup_patience().total_seconds()
         group: list[_State] = []
+        silent_since = time.monotonic()
         while len(group) < at_least:
             try:
-                group.append(answered.get(timeout=1.0))
+                group.append(answered.get(timeout=min(1.0, patience)))
+                silent_since = time.monotonic()
             except queue.Empty:
                 for job in jobs:
                     if job.done() and job.exception() is not None:
                         raise RuntimeError("a lookup thread died") from job.exception()
+                if time.monotonic() - silent_since >= patience:
+                    break
         with contextlib.suppress(queue.Empty):
             while True:
                 group.append(answered.get_nowait())
@@ -445,7 +535,7 @@ class RecoveryWorker:
             ).fetchall()
 
         rows = retrying(self._pool, "find operations to recover", work)
-        return [Candidate(r[0], r[1], ExecutionState(r[2]), r[3], r[4], r[5]) for r in rows]
+        return [Candidate(r[0], r[1], ExecutionState(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
     def _due(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         now, monotonic = datetime.now(UTC), time.monotonic()
@@ -461,9 +551,24 @@ class RecoveryWorker:
                         candidate.tool_name,
                     )
                 continue
+            if candidate.lease_token is not None and candidate.lease_token >= MAX_TOKEN:
+                if candidate.operation_id not in self._warned_tokens:
+                    self._warned_tokens.add(candidate.operation_id)
+                    log.error(
+                        "%s: its lease token %d is at the ceiling no event can carry (%d): it "
+                        "cannot be taken over, reconciled or cancelled; a person must look at "
+                        "its operation_leases row",
+                        candidate.operation_id,
+                        candidate.lease_token,
+                        MAX_TOKEN,
+                    )
+                continue
             backoff = self._backoff.get(candidate.operation_id)
             if backoff is not None and monotonic < backoff[0]:
                 continue
+            with self._lookup_lock:
+                if candidate.operation_id in self._in_lookup:
+                    continue  # its provider has not answered an earlier lookup yet
             if (
                 candidate.state is X.DISPATCHED
                 and now - candidate.state_entered_at < provider.terms.call_timeout
@@ -501,19 +606,30 @@ class RecoveryWorker:
             return {}, []
         by_id = {c.operation_id: c for c in due}
         claims = []
+        unclaimable = []
         for op_id, lease in taken.items():
-            claims.append(
-                OwnershipTaken(
-                    event_id=self._event_id(),
-                    operation_id=op_id,
-                    tenant_id=lease.tenant_id,
-                    actor_id="recovery-worker",
-                    occurred_at=datetime.now(UTC),
-                    attempt=by_id[op_id].attempt,
-                    lease_token=lease.token,
-                    reason=f"took over {by_id[op_id].state}: the previous lease expired",
+            try:
+                claims.append(
+                    OwnershipTaken(
+                        event_id=self._event_id(),
+                        operation_id=op_id,
+                        tenant_id=lease.tenant_id,
+                        actor_id="recovery-worker",
+                        occurred_at=datetime.now(UTC),
+                        attempt=by_id[op_id].attempt,
+                        lease_token=lease.token,
+                        reason=f"took over {by_id[op_id].state}: the previous lease expired",
+                    )
                 )
-            )
+            except ValueError as exc:  # one operation's row never stops the others
+                log.error("%s: its take-over cannot be recorded: %s", op_id, _said(exc))
+                unclaimable.append(lease)
+        if unclaimable:
+            self._leases.release(unclaimable)
+            for lease in unclaimable:
+                del taken[lease.operation_id]
+            if not taken:
+                return {}, []
         claimed = self._send(claims)
         self._metrics.lease_takeovers.inc(len(taken))
         return taken, claimed
@@ -552,13 +668,29 @@ class RecoveryWorker:
         try:
             lookup = provider.lookup(key, state.execution.provider_ref)
         except Exception as exc:  # a lookup never decides anything by raising
-            log.warning("lookup of %s raised: %s", key, exc)
-            self._answer(state, LookupStatus.UNAVAILABLE, None)
+            log.warning("lookup of %s raised: %s", key, _said(exc))
+            self._answer(state, None)
         else:
-            self._answer(state, lookup.status, lookup)
+            self._answer(state, lookup)
 
-    def _answer(self, state: _State, status: LookupStatus, found: LookupResult | None) -> None:
-        state.lookup, state.found = status, found
+    def _answer(self, state: _State, found: object) -> None:
+        """Record the provider's answer; one nobody can read (not a ``LookupResult``, a status
+        that is not a ``LookupStatus``, a result that is not bytes) is "I cannot tell":
+        ``UNAVAILABLE``, retried later, never a reason to call."""
+        if _readable(found):
+            assert isinstance(found, LookupResult)
+            status, lookup = found.status, found
+        else:
+            if found is not None:
+                log.warning(
+                    "%s: the lookup of %s answered %s, not a LookupResult with a LookupStatus "
+                    "and bytes: taken as UNAVAILABLE",
+                    state.provider.tool_name,
+                    ids.idempotency_key(state.execution.operation_id),
+                    type(found).__name__,
+                )
+            status, lookup = LookupStatus.UNAVAILABLE, None
+        state.lookup, state.found = status, lookup
         self._metrics.provider_lookups.labels(state.provider.tool_name, status.value).inc()
 
     def _check_policy(self, states: Sequence[_State]) -> None:
@@ -620,15 +752,28 @@ class RecoveryWorker:
         execution = state.execution
         lookup_status, found, policy = state.lookup, state.found, state.policy
         assert lookup_status is not None and policy is not None
-        verdict = decide(
-            lookup_status,
-            policy,
-            dispatched_at=execution.state_entered_at
+        now = datetime.now(UTC)
+        dispatched_at = (
+            execution.state_entered_at
             if execution.state is not X.UNKNOWN
-            else self._dispatched_at(execution),
-            now=datetime.now(UTC),
-            key_retention=state.provider.terms.key_retention,
+            else self._dispatched_at(execution)
         )
+        retention = state.provider.terms.key_retention
+        verdict = decide(
+            lookup_status, policy, dispatched_at=dispatched_at, now=now, key_retention=retention
+        )
+        ahead = dispatched_at - now
+        if verdict.decision is Decision.NEW_ATTEMPT and ahead > CLOCK_SKEW_TOLERANCE:
+            # The attempt's age is the writer's clock against this one: stamped in the future,
+            # it proves nothing, and a not-found proves the call did not happen only within the
+            # retention. A repeat could be a second effect: a person decides.
+            verdict = Verdict(
+                Decision.PARK,
+                f"the provider has no record of the key, but the attempt is stamped {ahead} "
+                "ahead of this worker's clock (its writer's clock runs ahead): whether it is "
+                f"within the provider's key retention of {retention} cannot be told; a person "
+                "decides",
+            )
         provider_ref = (
             recordable_provider_ref(found.provider_ref) if found else None
         ) or execution.provider_ref
@@ -805,7 +950,7 @@ class RecoveryWorker:
             return
         fault_point("recover.after_dispatch_before_call")
         try:
-            outcome = provider.call(request, key)
+            outcome = self._bounded_call(provider, request, key)
         except Exception as exc:  # an unconfirmed outcome is UNKNOWN, by design
             lost = f"contact lost after dispatch: {exc}" if isinstance(exc, ContactLost) else exc
             self._append(state, [self._transition(state, X.UNKNOWN, error=_text(lost))])
@@ -834,6 +979,24 @@ class RecoveryWorker:
         self._metrics.provider_calls.labels(provider.tool_name, label_outcome).inc()
         if label == "resumed":
             state.counted.append(self._metrics.resumed.labels(label_outcome))
+
+    def _bounded_call(self, provider: Provider, request: Any, key: str) -> CallOutcome:
+        """``provider.call`` on a call thread, waited for at most the tool's call timeout: past
+        it the outcome is unknown (:class:`ContactLost`). A call still queued then, every call
+        thread held by calls that never returned, is never made: a confirmed failure, as the
+        SDK records it."""
+        seconds = provider.terms.call_timeout.total_seconds()
+        queued = self._call_threads.submit(provider.call, request, key)
+        try:
+            return queued.result(timeout=seconds)
+        except FutureTimeoutError:
+            if queued.cancel():
+                return CallOutcome(
+                    False,
+                    error=f"{provider.tool_name}: not called: all {self._thread_count} call "
+                    f"threads stayed busy for the call timeout ({seconds:g}s)",
+                )
+            raise ContactLost(f"{provider.tool_name}: no answer within {seconds:g}s") from None
 
     # -- building and appending ----------------------------------------------------------------
 
@@ -1027,7 +1190,27 @@ class _State:
 
 def _text(value: str | BaseException) -> str:
     text = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
-    return _scrubbed(storable_text(text))  # a provider's words, recorded even if unstorable
+    # A provider's words, recorded even if unstorable. Cut first, at a whitespace, as the
+    # delivery worker cuts a destination's answer: the scrub's cost grows faster than its input
+    # (10,000 characters shaped for its keyword detector took over 20 s), and the cache below
+    # would otherwise keep every long text a provider ever sent.
+    return _scrubbed(storable_text(cut_tokens(text, MAX_ERROR)))
+
+
+def _said(exc: BaseException) -> str:
+    """An exception from outside (a provider's), cut for a log line: the log handlers scrub
+    every line, at a cost that grows faster than its length."""
+    return cut_tokens(f"{type(exc).__name__}: {exc}", MAX_ERROR)
+
+
+def _readable(found: object) -> bool:
+    """Whether a lookup's answer can be acted on: a LookupResult whose status is a
+    LookupStatus and whose result, if any, is bytes."""
+    return (
+        isinstance(found, LookupResult)
+        and isinstance(found.status, LookupStatus)
+        and (found.result is None or isinstance(found.result, bytes))
+    )
 
 
 @functools.lru_cache(maxsize=4096)
