@@ -51,6 +51,7 @@ from detect_secrets.plugins.stripe import StripeDetector
 from detect_secrets.plugins.telegram_token import TelegramBotTokenDetector
 from detect_secrets.plugins.twilio import TwilioKeyDetector
 
+from ledger.display import displayable
 from ledger.domain.redact import (
     REDACTED,
     Span,
@@ -191,8 +192,22 @@ def scrub(text: str, *, max_length: int | None = None) -> str:
 _TRACEBACK = logging.Formatter()
 
 
+def redact_handlers(logger: logging.Logger | None = None) -> int:
+    """Put a :class:`RedactingFilter` on every handler of ``logger`` (default: the root logger)
+    that has none; returns how many it added. For a worker whose framework sets up logging
+    itself (faust's ``mode`` replaces the root handlers, and any filter on them, as it starts):
+    called once that is done."""
+    added = 0
+    for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+            added += 1
+    return added
+
+
 class RedactingFilter(logging.Filter):
-    """Scrubs each record's message, arguments and traceback, so no log line carries a secret.
+    """Scrubs each record's message, arguments and traceback, so no log line carries a secret,
+    and writes what a terminal would act on as visible escapes (:mod:`ledger.display`).
 
     Attach it to handlers: a logger's own filters do not see records propagated from its
     children. It never drops a record.
@@ -205,15 +220,19 @@ class RedactingFilter(logging.Filter):
             # A malformed format string: keep what it carried, scrubbed, rather than raise
             # into the caller of the log statement.
             message = f"{record.msg} {record.args!r}"
-        record.msg = scrub(message)
-        record.args = None
+        # Shown, not run: a provider's words in a message must not clear an operator's
+        # terminal or begin a line that poses as another record (ledger.display).
+        record.msg = displayable(scrub(message))
+        # Empty, not None: mode's formatter (faust's workers) turns None into (None,) and formats
+        # the message with it again.
+        record.args = ()
         if record.exc_info:
             # Rendered here, scrubbed, and kept as text only: a formatter would otherwise
             # render the raw exception (and its message) again.
             record.exc_text = _TRACEBACK.formatException(record.exc_info)
             record.exc_info = None
         if record.exc_text:
-            record.exc_text = scrub(record.exc_text)
+            record.exc_text = displayable(scrub(record.exc_text), lines=True)
         if record.stack_info:
-            record.stack_info = scrub(record.stack_info)
+            record.stack_info = displayable(scrub(record.stack_info), lines=True)
         return True

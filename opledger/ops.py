@@ -292,8 +292,9 @@ def _state(value: str) -> str:
 
 
 def _operations_table(rows: list[OperationRow], args: argparse.Namespace) -> Any:
-    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
 
     filters = [f"tenant {args.tenant}"]
     if args.state:
@@ -312,15 +313,16 @@ def _operations_table(rows: list[OperationRow], args: argparse.Namespace) -> Any
             _state(r.execution_state.value),
             str(r.attempt),
             _age(r.state_entered_at),
-            escape(r.actor_id),
-            escape(r.error or ""),
+            shown(r.actor_id),
+            shown(r.error or ""),
         )
     return table
 
 
 def _print_detail(console: Console, detail: OperationDetail) -> None:
-    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
 
     op = detail.operation
     if op is None:
@@ -336,9 +338,9 @@ def _print_detail(console: Console, detail: OperationDetail) -> None:
             ("execution state", _state(op.execution_state.value)),
             ("attempt", str(op.attempt)),
             ("in state for", _age(op.state_entered_at)),
-            ("provider_ref", escape(op.provider_ref or "-")),
+            ("provider_ref", shown(op.provider_ref or "-")),
             ("result_ref", op.result_ref or "-"),
-            ("error", escape(op.error or "-")),
+            ("error", shown(op.error or "-")),
             ("created", _when(op.created_at)),
             ("updated", _when(op.updated_at)),
         ):
@@ -354,17 +356,16 @@ def _print_detail(console: Console, detail: OperationDetail) -> None:
         for column in ("topic/partition/offset", "machine", "kind", "reason"):
             table.add_column(column)
         for a in detail.anomalies:
-            table.add_row(
-                f"{a.topic}/{a.partition}/{a.offset}", a.machine, a.kind, escape(a.reason)
-            )
+            table.add_row(f"{a.topic}/{a.partition}/{a.offset}", a.machine, a.kind, shown(a.reason))
         console.print(table)
     else:
         console.print("anomalies: none")
 
 
 def _deliveries_table(rows: list[DeliveryRow]) -> Any:
-    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
 
     table = Table(title=f"deliveries ({len(rows)})", title_justify="left")
     for column in ("destination", "state", "attempts", "next attempt at", "error"):
@@ -375,14 +376,15 @@ def _deliveries_table(rows: list[DeliveryRow]) -> Any:
             _state(d.state.value),
             str(d.attempts),
             _when(d.next_attempt_at),
-            escape(d.error or ""),
+            shown(d.error or ""),
         )
     return table
 
 
 def _history_table(rows: list[HistoryRow]) -> Any:
-    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
 
     table = Table(title=f"history ({len(rows)} events)", title_justify="left")
     for column in (
@@ -405,6 +407,6 @@ def _history_table(rows: list[HistoryRow]) -> Any:
             _state(h.state),
             str(h.attempt),
             outcome,
-            escape(h.error or ""),
+            shown(h.error or ""),
         )
     return table

@@ -611,8 +611,9 @@ def _when(moment: datetime | None) -> str:
 
 def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
     from rich.console import Console  # noqa: PLC0415
-    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
 
     console = Console()
     if not console.is_terminal:
@@ -652,18 +653,18 @@ def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
         else:
             state = "[green]active[/]"
         table.add_row(
-            escape(g.principal),
-            escape(g.tool_name),
+            shown(g.principal),
+            shown(g.tool_name),
             state,
-            escape(", ".join(sorted(g.destinations)) or "-"),
+            shown(", ".join(sorted(g.destinations)) or "-"),
             "yes" if g.repeat_safe else "no",
             _when(g.expires_at),
-            escape(g.credential_id or "-"),
-            escape(", ".join(sorted(g.credential_scopes)) or "-"),
+            shown(g.credential_id or "-"),
+            shown(", ".join(sorted(g.credential_scopes)) or "-"),
             _when(g.credential_expires_at),
             g.version,
-            f"{_when(row.updated_at)} by {escape(row.changed_by)}",
-            escape(row.reason or ""),
+            f"{_when(row.updated_at)} by {shown(row.changed_by)}",
+            shown(row.reason or ""),
         )
     console.print(table)
     if not policy.revoked_credentials:
@@ -677,10 +678,10 @@ def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
         revoked.add_column(column, no_wrap=column != "reason")
     for r in policy.revoked_credentials:
         revoked.add_row(
-            escape(r.revocation.credential_id),
+            shown(r.revocation.credential_id),
             _when(r.revoked_at),
-            escape(r.revoked_by),
+            shown(r.revoked_by),
             r.revocation.version,
-            escape(r.reason or ""),
+            shown(r.reason or ""),
         )
     console.print(revoked)

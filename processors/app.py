@@ -20,6 +20,7 @@ import mode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ledger.heap import freeze_startup_heap
+from ledger.secrets import redact_handlers
 from ledger.settings import Settings
 
 log = logging.getLogger("opledger.worker")
@@ -95,6 +96,10 @@ def create_app(
                     outcome = exc
                 loop.call_soon_threadsafe(finished.set_result, outcome)
 
+            # faust's mode replaced the root handlers as it started, and the scrubbing filter
+            # the command put on them with them: put it back before the loop logs anything
+            # (a provider's words, a destination's answer).
+            redact_handlers()
             frozen = freeze_startup_heap()  # start-up is over: faust, the clients, the schemas
             log.info("%s: start-up heap frozen (%d objects)", name, frozen)
             # A daemon thread, not the default executor: a SIGTERM that arrives while faust is

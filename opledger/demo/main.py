@@ -53,20 +53,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
-    from rich.markup import escape  # noqa: PLC0415
-
     from ledger.errors import RecordError  # noqa: PLC0415
     from opledger.demo import report, setup  # noqa: PLC0415
     from opledger.demo.observe import failures  # noqa: PLC0415
     from opledger.demo.run import Runner  # noqa: PLC0415
     from opledger.fakes.http_provider import FakeProviderControl  # noqa: PLC0415
     from opledger.fakes.model import FakeProviderError  # noqa: PLC0415
+    from opledger.terminal import shown  # noqa: PLC0415
 
     def say(line: str) -> None:
-        console.print(escape(line))
+        console.print(shown(line))
 
     def quiet(line: str) -> None:
-        console.print(f"[dim]{escape(line)}[/]")
+        console.print(f"[dim]{shown(line)}[/]")
 
     console.rule("[bold]opledger demo")
     _stack(settings, quiet)

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from textwrap import shorten
 from typing import TYPE_CHECKING
 
-from rich.markup import escape
 from rich.table import Table
 
 from ledger.domain.redact import redact
@@ -24,6 +23,7 @@ from opledger.demo.observe import (
 )
 from opledger.demo.plan import QUEUE, QUEUE_CONSUMER, TENANTS, WEBHOOK
 from opledger.demo.run import RunReport
+from opledger.terminal import shown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -83,9 +83,9 @@ def render(
             f"with {crashed.operation_id} in flight ({call.tenant_id} {call.actor_id} "
             f"{call.tool_name})" + (" and its grant revoked" if crashed.revoked else "")
         )
-        console.print(f"    expected: {escape(crashed.crash.expect)}")
+        console.print(f"    expected: {shown(crashed.crash.expect)}")
         console.print(
-            f"    recovery: {escape(steps or 'no decision')}; now {escape(now)}; "
+            f"    recovery: {shown(steps or 'no decision')}; now {shown(now)}; "
             f"provider calls {calls}, side effects {effects}"
         )
     kill = ran.delivery_kill
@@ -136,7 +136,7 @@ def render(
     )
     if failed:
         for line in failed[:20]:
-            console.print(f"[bold red]INVARIANT VIOLATED: {escape(line)}[/]")
+            console.print(f"[bold red]INVARIANT VIOLATED: {shown(line)}[/]")
         if len(failed) > 20:
             console.print(f"[bold red]... and {len(failed) - 20} more[/]")
         return EXIT_INVARIANT
@@ -187,7 +187,7 @@ def _decisions(observed: Observed) -> Table:
             decision,
             lookup,
             str(n),
-            escape(shorten(reasons[(decision, lookup)], 100, placeholder=" ...")),
+            shown(shorten(reasons[(decision, lookup)], 100, placeholder=" ...")),
         )
     return table
 
@@ -214,7 +214,7 @@ def _deliveries(observed: Observed) -> Table:
             str(sum(d.state not in DELIVERED for d in rows)),
             str(sum(d.attempts for d in rows)),
             str(sum(d.attempts > 1 for d in rows)),
-            escape(
+            shown(
                 "; ".join(
                     f"{n}x {shorten(r, 110, placeholder=' ...')}" for r, n in why.most_common(2)
                 )
