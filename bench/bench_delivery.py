@@ -441,7 +441,9 @@ def main() -> None:
     args = parser.parse_args()
     base = Settings.from_env()
     with isolated(base, "delivery") as env, tempfile.TemporaryDirectory() as tmp:
-        settings = env.settings
+        # The receiver listens on loopback, which webhooks may not reach unless allowed
+        # (decision 019), as the local stack's delivery worker allows it.
+        settings = env.settings.with_(delivery_allow_networks="127.0.0.0/8")
         workdir = Path(tmp)
         port = free_port()
         url = f"http://127.0.0.1:{port}/events"

@@ -9,6 +9,7 @@ enables it again with ``opledger destinations enable``.
 from __future__ import annotations
 
 import base64
+import ipaddress
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from psycopg_pool import ConnectionPool
 
 from ledger.domain.events import recordable_destination
 from ledger.pg import retrying
+from ledger.settings import Network
 
 # \Z, not $: "$" also matches before a final newline, which the database's checks refuse
 # (and then print the whole row, secret included, in their error and the server's log).
@@ -87,6 +89,137 @@ def check_webhook_url(url: str) -> str:
         raise DestinationError("a webhook URL has no use for a #fragment")
     del port
     return url
+
+
+# -- where a webhook may be sent (decision 019) -------------------------------------------------
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: The variable that allows a refused network; every refusal names it.
+ALLOW_VARIABLE = "OPLEDGER_DELIVERY_ALLOW_NETWORKS"
+
+_V4 = ipaddress.IPv4Network
+_V6 = ipaddress.IPv6Network
+#: IPv4 networks a webhook is never sent to unless allowed, with the rule each one falls under.
+REFUSED_IPV4: tuple[tuple[ipaddress.IPv4Network, str], ...] = (
+    (_V4("0.0.0.0/8"), "unspecified"),  # "this network": 0.0.0.0 reaches the local host
+    (_V4("10.0.0.0/8"), "private, RFC 1918"),
+    (_V4("100.64.0.0/10"), "shared address space, RFC 6598"),
+    (_V4("127.0.0.0/8"), "loopback"),
+    (_V4("169.254.0.0/16"), "link-local"),  # cloud metadata: 169.254.169.254
+    (_V4("172.16.0.0/12"), "private, RFC 1918"),
+    (_V4("192.168.0.0/16"), "private, RFC 1918"),
+    (_V4("224.0.0.0/4"), "multicast"),
+    (_V4("240.0.0.0/4"), "reserved"),  # with the broadcast 255.255.255.255
+)
+#: IPv6 networks refused the same way (checked after the IPv4 address an IPv6 one embeds).
+REFUSED_IPV6: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
+    (_V6("::/128"), "unspecified"),
+    (_V6("::1/128"), "loopback"),
+    (_V6("fe80::/10"), "link-local"),
+    (_V6("fec0::/10"), "site-local, deprecated"),
+    (_V6("fc00::/7"), "private, unique local"),
+    (_V6("ff00::/8"), "multicast"),
+)
+_NAT64 = (_V6("64:ff9b::/96"), _V6("64:ff9b:1::/48"))
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, str] | None:
+    """The IPv4 address an IPv6 address carries to (IPv4-mapped, IPv4-compatible, 6to4, NAT64,
+    Teredo) and the form's name; None for an ordinary IPv6 address."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped, "IPv4-mapped"
+    if address.sixtofour is not None:
+        return address.sixtofour, "6to4"
+    if address.teredo is not None:
+        return address.teredo[1], "Teredo"
+    low = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if any(address in prefix for prefix in _NAT64):
+        return low, "NAT64"
+    if int(address) >> 32 == 0 and int(address) > 1:  # ::a.b.c.d, not :: nor ::1
+        return low, "IPv4-compatible"
+    return None
+
+
+def refused_rule(address: Address) -> str | None:
+    """Why a webhook must not be sent to ``address`` by default (the rule's name), or None."""
+    if isinstance(address, ipaddress.IPv4Address):
+        for network, rule in REFUSED_IPV4:
+            if address in network:
+                return rule
+        return None
+    embedded = embedded_ipv4(address)
+    if embedded is not None:
+        ipv4, form = embedded
+        carried = refused_rule(ipv4)
+        if carried is not None:
+            return f"{carried}, as {form} {ipv4}"
+        if form != "IPv4-compatible":
+            # ::ffff:a.b.c.d is a.b.c.d itself; 64:ff9b::a.b.c.d is how an IPv6-only host
+            # (DNS64) reaches it. Both lie in ::/8, which is reserved as an IPv6 network.
+            return None
+    for network6, rule in REFUSED_IPV6:
+        if address in network6:
+            return rule
+    if address.is_reserved:
+        return "reserved"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AddressGuard:
+    """Where webhooks may go: nowhere :func:`refused_rule` names, unless inside ``allow``."""
+
+    allow: tuple[Network, ...] = ()
+
+    def refusal(self, address: Address) -> str | None:
+        """The rule refusing ``address``, or None when a webhook may be sent there."""
+        rule = refused_rule(address)
+        if rule is None:
+            return None
+        if any(address in network for network in self.allow):
+            return None
+        if isinstance(address, ipaddress.IPv6Address):
+            # An allowed IPv4 network allows its IPv6 forms (::ffff:127.0.0.1 is 127.0.0.1).
+            embedded = embedded_ipv4(address)
+            if embedded is not None and any(embedded[0] in network for network in self.allow):
+                return None
+        return rule
+
+
+def refused_text(address: Address, rule: str, host: str | None = None) -> str:
+    """Why a send (or a registration) to ``address`` is refused, naming the rule and the way
+    out; ``host`` is the name that resolved to it, if the URL named a host."""
+    shown = str(address)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        shown = f"::ffff:{address.ipv4_mapped}"  # as written, not ::ffff:7f00:1
+    where = (
+        f"the destination's address {shown} is"
+        if host is None
+        else f"the destination's host {host} resolves to {shown}, which is"
+    )
+    return f"{where} in a refused network ({rule}); allow it with {ALLOW_VARIABLE}"
+
+
+def literal_address(host: str) -> Address | None:
+    """``host`` (a URL's host, brackets removed) as an IP address if it is one."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def check_webhook_address(url: str, guard: AddressGuard) -> None:
+    """Raise DestinationError if ``url``'s host is a literal IP ``guard`` refuses. A host name
+    is checked at every new connection only: what it resolves to may change."""
+    check_webhook_url(url)
+    host = urlsplit(url).hostname or ""
+    address = literal_address(host)
+    if address is None:
+        return
+    rule = guard.refusal(address)
+    if rule is not None:
+        raise DestinationError(refused_text(address, rule))
 
 
 def check(

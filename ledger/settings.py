@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -55,6 +56,25 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> tuple[Network, ...]:
+    """Comma-separated CIDRs (``10.1.0.0/16, fd00::/8``; a bare address is one host) as
+    networks; ValueError naming the item that is not one (host bits set included: ``10.0.0.1/8``
+    is a typo more often than a wish)."""
+    networks: list[Network] = []
+    for part in text.split(","):
+        item = part.strip()
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ValueError(f"not an IPv4 or IPv6 network in CIDR form: {exc}") from None
+    return tuple(networks)
 
 
 def _webhook_secret_ok(secret: str) -> bool:
@@ -137,6 +157,11 @@ class Settings:
     #: ``GET /results/...`` at (a load balancer in front of them); empty: this host's
     #: ``http://127.0.0.1:<delivery web port>``.
     delivery_results_url: str = ""
+    #: OPLEDGER_DELIVERY_ALLOW_NETWORKS: comma-separated CIDRs (IPv4 or IPv6) a webhook may be
+    #: sent to although they are refused by default (loopback, private, link-local, shared,
+    #: unspecified, multicast, reserved, and their IPv6 forms; decision 019). Empty: every
+    #: such address is refused, at registration for a literal IP and at every new connection.
+    delivery_allow_networks: str = ""
     #: OPLEDGER_CONSUMER_NAME: the consumer's name in its inbox and in the key store (letters,
     #: digits, '.', '_', '-'); replicas of one consumer share it, different consumers must not.
     consumer_name: str = "reference"
@@ -213,6 +238,7 @@ class Settings:
             delivery_concurrency=_int(env, "OPLEDGER_DELIVERY_CONCURRENCY", 256),
             delivery_inline_max_bytes=_int(env, "OPLEDGER_DELIVERY_INLINE_MAX_BYTES", 512 * 1024),
             delivery_results_url=env.get("OPLEDGER_DELIVERY_RESULTS_URL", ""),
+            delivery_allow_networks=env.get("OPLEDGER_DELIVERY_ALLOW_NETWORKS", ""),
             consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
             consumer_web_port=_int(env, "OPLEDGER_CONSUMER_WEB_PORT", 16068),
             consumer_pg_dsn=env.get("OPLEDGER_CONSUMER_PG_DSN", ""),
@@ -281,6 +307,10 @@ class Settings:
                 f"fragment, got {self.delivery_results_url!r}"
             )
         try:
+            parse_networks(self.delivery_allow_networks)
+        except ValueError as exc:
+            raise SettingsError(f"{_var('delivery_allow_networks')}: {exc}") from None
+        try:
             parse_schedule(self.delivery_schedule)
         except ValueError as exc:
             raise SettingsError(f"{_var('delivery_schedule')}: {exc}") from None
@@ -321,6 +351,11 @@ class Settings:
         """Where destinations fetch results delivered by reference (no trailing slash)."""
         base = self.delivery_results_url or f"http://127.0.0.1:{self.delivery_web_port}"
         return base.rstrip("/")
+
+    @property
+    def delivery_allowed_networks(self) -> tuple[Network, ...]:
+        """``delivery_allow_networks`` parsed (validated when the settings were built)."""
+        return parse_networks(self.delivery_allow_networks)
 
     @property
     def delivery_retry_policy(self) -> RetryPolicy:

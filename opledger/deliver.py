@@ -86,6 +86,21 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
     return app, worker, [webhooks, history, transport, pool]
 
 
+def with_allowed(settings: Settings, networks: str | None) -> Settings:
+    """``settings`` allowing ``networks`` (comma-separated CIDRs) too, besides those of
+    OPLEDGER_DELIVERY_ALLOW_NETWORKS; SettingsError naming the option for a bad one."""
+    from ledger.settings import SettingsError, parse_networks  # noqa: PLC0415
+
+    if not networks:
+        return settings
+    try:
+        parse_networks(networks)
+    except ValueError as exc:
+        raise SettingsError(f"--allow-networks: {exc}") from None
+    both = ",".join(filter(None, (settings.delivery_allow_networks, networks)))
+    return settings.with_(delivery_allow_networks=both)
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger deliver run``: deliver results until SIGTERM/SIGINT."""
     import faust  # noqa: PLC0415
@@ -94,12 +109,18 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from ledger.topics import ensure_topics  # noqa: PLC0415
     from opledger import db  # noqa: PLC0415
 
+    settings = with_allowed(settings, args.allow_networks)
     faults.arm(settings.fault_points)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
+    if settings.delivery_allow_networks:
+        logging.getLogger("opledger.delivery").info(
+            "webhooks may go to these networks although they are refused by default: %s",
+            settings.delivery_allow_networks,
+        )
     ensure_topics(settings)
     db.migrate(settings.dsn)
     app, _worker, owned = build(settings)
@@ -122,9 +143,11 @@ def _by(args: argparse.Namespace) -> str:
 def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations add``."""
     from ledger.destinations import (  # noqa: PLC0415
+        AddressGuard,
         DestinationError,
         DestinationStore,
         Kind,
+        check_webhook_address,
         new_secret,
     )
     from ledger.pg import DatabaseError, open_pool  # noqa: PLC0415
@@ -140,6 +163,14 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
         secret = (os.environ.get(args.secret_env) or "").strip()
         if not secret:
             print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
+            return EXIT_USAGE
+    if kind is Kind.WEBHOOK:
+        # Told now rather than at the first delivery: a literal address in a refused network
+        # (a host name is checked at every connection: what it resolves to may change).
+        try:
+            check_webhook_address(args.url, AddressGuard(settings.delivery_allowed_networks))
+        except DestinationError as exc:
+            print(f"destination refused: {exc}", file=sys.stderr)
             return EXIT_USAGE
     made = secret is None and (kind is Kind.WEBHOOK or args.fetch_secret)
     if made and kind is Kind.QUEUE:
@@ -180,6 +211,7 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
 def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations list --tenant T``."""
     from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.display import displayable  # noqa: PLC0415
     from ledger.pg import open_pool  # noqa: PLC0415
 
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
@@ -187,10 +219,12 @@ def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     if not found:
         print(f"tenant {args.tenant} has no destinations")
     for d in found:
-        state = "enabled" if d.enabled else f"DISABLED ({d.disabled_reason or 'by an operator'})"
+        # A 410's reason phrase is the destination's own words (ledger.display).
+        reason = displayable(d.disabled_reason or "by an operator")
+        state = "enabled" if d.enabled else f"DISABLED ({reason})"
         print(
-            f"{d.name}\t{d.kind.value}\t{d.target}\ttools={','.join(d.tools)}\t"
-            f"timeout={d.timeout_ms}ms\t{state}\tchanged by {d.changed_by}"
+            f"{d.name}\t{d.kind.value}\t{displayable(d.target)}\ttools={','.join(d.tools)}\t"
+            f"timeout={d.timeout_ms}ms\t{state}\tchanged by {displayable(d.changed_by or '')}"
         )
     return EXIT_OK
 
@@ -315,9 +349,15 @@ def register(commands: Any) -> None:
         "deliver", help="the delivery worker: outbox, signed webhooks and queues, retries"
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    actions.add_parser("run", help="deliver results until stopped (SIGTERM/SIGINT)").set_defaults(
-        handler="opledger.deliver:run"
+    run_parser = actions.add_parser("run", help="deliver results until stopped (SIGTERM/SIGINT)")
+    run_parser.add_argument(
+        "--allow-networks",
+        metavar="CIDRS",
+        help="comma-separated networks webhooks may go to although refused by default, added "
+        "to OPLEDGER_DELIVERY_ALLOW_NETWORKS (the local stack passes loopback: its consumer "
+        "listens there)",
     )
+    run_parser.set_defaults(handler="opledger.deliver:run")
 
     parser = commands.add_parser(
         "destinations", help="where a tenant's results are delivered (webhooks, queues)"

@@ -93,6 +93,12 @@ LOCAL_PROVIDERS = "opledger.fakes.providers:from_settings"
 #: --secrets-file` into its settings, so it is never on a command line, in the environment of
 #: `ps`, or in a log.
 LOCAL_CONSUMER_SECRET = "secrets/consumer-webhook.whsec"
+#: Networks the local stack's delivery worker may send webhooks to although they are refused by
+#: default (decision 019): loopback, where its reference consumer (and any receiver a developer
+#: runs on this machine) listens. The stack is a single-machine launcher; these are added to
+#: whatever OPLEDGER_DELIVERY_ALLOW_NETWORKS says. A deployment runs `opledger deliver run`
+#: without them.
+LOCAL_ALLOW_NETWORKS = "127.0.0.0/8,::1/128"
 
 WORKERS: tuple[WorkerSpec, ...] = (
     WorkerSpec("projector", ("projector", "run"), ready_url=projector_healthz),
@@ -101,7 +107,11 @@ WORKERS: tuple[WorkerSpec, ...] = (
         ("recover", "run", "--default-providers", LOCAL_PROVIDERS),
         ready_url=recovery_healthz,
     ),
-    WorkerSpec("delivery", ("deliver", "run"), ready_url=delivery_healthz),
+    WorkerSpec(
+        "delivery",
+        ("deliver", "run", "--allow-networks", LOCAL_ALLOW_NETWORKS),
+        ready_url=delivery_healthz,
+    ),
     WorkerSpec("fake-provider", ("fake-provider", "run"), ready_url=fake_provider_health),
     # The reference consumer: POST /events, deduplicated on operation_id, in its own database
     # (created by `stack up`); what a tenant's webhook destination points at on this machine.

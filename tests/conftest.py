@@ -66,7 +66,9 @@ def _isolated(stack_settings: Settings) -> Iterator[Settings]:
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
     settings = stack_settings.with_(
-        topic_prefix=tag, pg_dsn=make_conninfo(stack_settings.dsn, dbname=database)
+        topic_prefix=tag,
+        pg_dsn=make_conninfo(stack_settings.dsn, dbname=database),
+        delivery_allow_networks="127.0.0.0/8,::1/128",  # test receivers listen on loopback
     )
     try:
         ensure_topics(settings)

@@ -360,6 +360,7 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         OPLEDGER_DELIVERY_SCHEDULE=settings.delivery_schedule,
         OPLEDGER_DELIVERY_MAX_ATTEMPTS=str(settings.delivery_max_attempts),
         OPLEDGER_DELIVERY_HORIZON_S=str(settings.delivery_horizon_s),
+        OPLEDGER_DELIVERY_ALLOW_NETWORKS=settings.delivery_allow_networks,
         OPLEDGER_FAKE_PROVIDER_URL=settings.fake_provider_url,
         OPLEDGER_RECOVERY_INTERVAL_MS=str(settings.recovery_interval_ms),
         OPLEDGER_CONSUMER_NAME=settings.consumer_name,

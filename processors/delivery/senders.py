@@ -6,6 +6,13 @@ timeout, a refused connection) is a :class:`SendResult`. Redirects are not follo
 goes where it was configured to go, or fails. Nothing is sent but the delivery's own headers and
 the two that frame the request (``Host``, ``Content-Length``): no cookies, no user agent.
 
+A sender given an :class:`~ledger.destinations.AddressGuard` (the delivery worker always gives
+one, from its settings) connects only to addresses the guard accepts: every address the host
+resolves to is checked when a connection is opened, and the connection goes to the address
+checked, so a name that resolves elsewhere a moment later (DNS rebinding) gains nothing. A
+refused address is an :class:`AddressRefused` result: no connection is made (decision 019).
+Connections are kept alive and reused, so this costs once per connection, not per request.
+
 The HTTP/1.1 client is our own, small one (asyncio protocols, ``httptools`` to parse answers):
 a webhook POST needs one request shape and three things from the answer (status, reason,
 ``Retry-After``), and a general client (aiohttp) spent about twice the CPU of the receiver per
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import ssl
 import threading
 import time
@@ -30,6 +38,7 @@ from urllib.parse import quote, urlsplit
 import httptools
 import uvloop
 
+from ledger.destinations import Address, AddressGuard, literal_address, refused_text
 from ledger.domain.delivery import SendResult, parse_retry_after
 from ledger.metrics import Metrics
 from ledger.secrets import cut_tokens
@@ -58,6 +67,13 @@ class WebhookSend:
 
 
 @dataclass(frozen=True, slots=True)
+class AddressRefused(SendResult):
+    """Not sent, and no connection made: the destination's address is in a network the
+    sender's guard refuses. Lasting: every send would meet the same refusal until the network
+    is allowed (``detail`` says which rule and how)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Target:
     """Where a URL's requests go, and the start of every request to it."""
 
@@ -66,6 +82,8 @@ class _Target:
     port: int
     tls: bool
     request_line_and_host: bytes
+    #: the host when it is an IP address (checked without a name lookup)
+    literal: Address | None = None
 
 
 class _RequestError(Exception):
@@ -97,7 +115,14 @@ def _target(url: str) -> _Target:
         target += "?" + quote(parts.query, safe=_URL_SAFE)
     _check_header_text(target, shown)
     start = f"POST {target} HTTP/1.1\r\nHost: {shown}\r\n"
-    return _Target((parts.scheme, ascii_host, port), host, port, tls, start.encode("ascii"))
+    return _Target(
+        (parts.scheme, ascii_host, port),
+        host,
+        port,
+        tls,
+        start.encode("ascii"),
+        literal_address(host),
+    )
 
 
 def _check_header_text(*texts: str) -> None:
@@ -132,6 +157,10 @@ class _TimedOutError(Exception):
     """No (complete) answer before the send's deadline."""
 
 
+class _RefusedError(Exception):
+    """The destination's host is (or resolves to) an address the guard refuses."""
+
+
 class _ExchangeError(Exception):
     """A request on one connection that ended without a (complete) answer."""
 
@@ -162,6 +191,8 @@ class _Connection(asyncio.Protocol):
         #: the connection may carry another request once this answer is complete
         self.reusable = True
         self.idle_since = 0.0
+        #: the guard this connection's address was checked against when it was opened
+        self.guard: AddressGuard | None = None
         self._any_byte = False
         self._headers_done = False
         self._body_bytes = 0
@@ -306,18 +337,25 @@ class WebhookSender:
     async def _open(self) -> None:
         self._batches = asyncio.Lock()
 
-    def send_many(self, sends: Sequence[WebhookSend]) -> list[SendResult]:
-        """Send all of ``sends`` at once; their results, in order."""
+    def send_many(
+        self, sends: Sequence[WebhookSend], *, guard: AddressGuard | None = None
+    ) -> list[SendResult]:
+        """Send all of ``sends`` at once; their results, in order. With a ``guard``, only to
+        addresses it accepts; without one (a caller that vouches for its URLs), anywhere."""
         if not sends:
             return []
-        return self.start_many(sends).result()
+        return self.start_many(sends, guard=guard).result()
 
-    def start_many(self, sends: Sequence[WebhookSend]) -> Future[list[SendResult]]:
+    def start_many(
+        self, sends: Sequence[WebhookSend], *, guard: AddressGuard | None = None
+    ) -> Future[list[SendResult]]:
         """:meth:`send_many` without waiting: the future's result is theirs. Batches go out
         one after the other, in the order they were started."""
-        return asyncio.run_coroutine_threadsafe(self._send_all(sends), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._send_all(sends, guard), self._loop)
 
-    async def _send_all(self, sends: Sequence[WebhookSend]) -> list[SendResult]:
+    async def _send_all(
+        self, sends: Sequence[WebhookSend], guard: AddressGuard | None
+    ) -> list[SendResult]:
         assert self._batches is not None
         results: list[SendResult | None] = [None] * len(sends)
         queue = iter(enumerate(sends))
@@ -329,7 +367,7 @@ class WebhookSender:
 
         async def lane() -> None:
             for index, send in queue:  # the lanes share one iterator: each send once
-                results[index] = await self._send(send, handed_over + send.timeout_s)
+                results[index] = await self._send(send, handed_over + send.timeout_s, guard)
 
         # One batch at a time, ``concurrency`` lanes: never more requests in flight (or
         # connections open) than that, with one task per lane rather than per send.
@@ -338,7 +376,9 @@ class WebhookSender:
             await asyncio.gather(*(lane() for _ in range(lanes)))
         return [r if r is not None else SendResult(None, "not sent") for r in results]
 
-    async def _send(self, send: WebhookSend, deadline: float) -> SendResult:
+    async def _send(
+        self, send: WebhookSend, deadline: float, guard: AddressGuard | None
+    ) -> SendResult:
         try:
             target = _target(send.url)
             request = _request(target, send)
@@ -350,7 +390,7 @@ class WebhookSender:
             )
         started = time.monotonic()
         try:
-            return await self._post(target, request, deadline, send)
+            return await self._post(target, request, deadline, send, guard)
         except _TimedOutError:
             return SendResult(None, f"no answer within {send.timeout_s:g} s")
         finally:
@@ -358,9 +398,14 @@ class WebhookSender:
                 self._observe(time.monotonic() - started)
 
     async def _post(
-        self, target: _Target, request: bytes, deadline: float, send: WebhookSend
+        self,
+        target: _Target,
+        request: bytes,
+        deadline: float,
+        send: WebhookSend,
+        guard: AddressGuard | None,
     ) -> SendResult:
-        connection = self._reuse(target)
+        connection = self._reuse(target, guard)
         if connection is not None:
             try:
                 return await self._on(connection, target, request, deadline, send)
@@ -370,9 +415,11 @@ class WebhookSender:
                 # The server closed the idle connection as we wrote to it: the request can
                 # only have been lost, and a delivery is idempotent by its key anyway.
         try:
-            connection = await self._connect(target, deadline)
+            connection = await self._connect(target, deadline, guard)
         except TimeoutError:
             raise _TimedOutError from None
+        except _RefusedError as refused:
+            return AddressRefused(None, f"not sent: {refused}")
         except (OSError, ssl.SSLError) as exc:
             return SendResult(None, f"could not connect: {_os_reason(exc)}")
         try:
@@ -412,31 +459,95 @@ class WebhookSender:
         )
         return SendResult(answer.status, answer.reason, retry_after)
 
-    def _reuse(self, target: _Target) -> _Connection | None:
+    def _reuse(self, target: _Target, guard: AddressGuard | None) -> _Connection | None:
         idle = self._idle.get(target.key)
         now = self._loop.time()
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to be dropped
-            if not connection.lost and now - connection.idle_since < IDLE_S:
+            if (
+                not connection.lost
+                and now - connection.idle_since < IDLE_S
+                # Opened under another guard (or none): its address was not checked by this one.
+                and connection.guard is guard
+            ):
                 return connection
             connection.close()
         return None
 
-    async def _connect(self, target: _Target, deadline: float) -> _Connection:
+    async def _connect(
+        self, target: _Target, deadline: float, guard: AddressGuard | None
+    ) -> _Connection:
         tls: ssl.SSLContext | None = None
         if target.tls:
             if self._tls is None:
                 self._tls = ssl.create_default_context()
             tls = self._tls
+        # The Host header and TLS (SNI, the certificate's name) keep the URL's host, whatever
+        # address the connection goes to.
+        server_hostname = target.host if tls is not None else None
         async with asyncio.timeout_at(deadline):
-            _transport, connection = await self._loop.create_connection(
-                lambda: _Connection(self._loop),
-                target.host,
-                target.port,
-                ssl=tls,
-                server_hostname=target.host if tls is not None else None,
-            )
-        return connection
+            if guard is None:
+                _transport, connection = await self._loop.create_connection(
+                    lambda: _Connection(self._loop),
+                    target.host,
+                    target.port,
+                    ssl=tls,
+                    server_hostname=server_hostname,
+                )
+                return connection
+            failure: OSError | None = None
+            for family, address in await self._vetted(target, guard):
+                try:
+                    _transport, connection = await self._loop.create_connection(
+                        lambda: _Connection(self._loop),
+                        address,  # the address checked, never the name again
+                        target.port,
+                        family=family,
+                        ssl=tls,
+                        server_hostname=server_hostname,
+                    )
+                except ssl.SSLError:
+                    raise  # the address answered: not one to pass over for the next
+                except OSError as exc:
+                    failure = exc  # as create_connection does: try the next address
+                    continue
+                connection.guard = guard
+                return connection
+            assert failure is not None
+            raise failure
+
+    async def _vetted(self, target: _Target, guard: AddressGuard) -> list[tuple[int, str]]:
+        """Every address of ``target``'s host, in the resolver's order, as (family, address
+        to connect to); _RefusedError if ``guard`` refuses any of them."""
+        if target.literal is not None:
+            rule = guard.refusal(target.literal)
+            if rule is not None:
+                raise _RefusedError(refused_text(target.literal, rule))
+            family = socket.AF_INET if target.literal.version == 4 else socket.AF_INET6
+            return [(family, str(target.literal))]
+        infos = await self._loop.getaddrinfo(
+            target.key[1], target.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
+        vetted: list[tuple[int, str]] = []
+        for family, _type, _proto, _name, sockaddr in infos:
+            if family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            address = literal_address(str(sockaddr[0]))
+            if address is None:
+                continue
+            if family == socket.AF_INET6 and len(sockaddr) >= 4 and sockaddr[3]:
+                # A scoped (link-local) address: keep its interface, by number.
+                address = literal_address(f"{address}%{sockaddr[3]}") or address
+            rule = guard.refusal(address)
+            if rule is not None:
+                # One refused address refuses the host: which one a connection gets is the
+                # resolver's (or an attacker's) choice.
+                raise _RefusedError(refused_text(address, rule, target.host))
+            if (family, str(address)) not in vetted:
+                vetted.append((family, str(address)))
+        if not vetted:
+            raise OSError(f"{target.host} has no IPv4 or IPv6 address")
+        return vetted
 
     def close(self) -> None:
         def shut() -> None:

@@ -15,7 +15,9 @@ delivery send, before ACK write"). Each send is recorded SENT *before* it leaves
 ``Idempotency-Key`` and body every time, so a receiver recognises a repeat. Before a send the
 worker checks policy (DELIVER, as it is now), the destination (known, enabled) and the stored
 result; a refusal dead-letters the delivery with the reason. After it, ``judge`` says ACKED,
-PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination.
+PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination. A webhook
+whose address is in a refused network (loopback, private, link-local, ...: decision 019) is
+never connected to: its delivery is dead-lettered with the rule, and the others go on.
 
 The worker loads results by reference and never calls a tool.
 """
@@ -40,7 +42,7 @@ from psycopg_pool import ConnectionPool
 from pydantic import ValidationError
 
 from ledger.codec import EXECUTION_RECORD, Codec, default_codec
-from ledger.destinations import Destination, DestinationStore, Kind
+from ledger.destinations import AddressGuard, Destination, DestinationStore, Kind
 from ledger.domain import ids
 from ledger.domain.delivery import (
     DELIVERY_WORKER,
@@ -68,7 +70,7 @@ from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
 from ledger.transport import OutgoingRecord, Transport, fits, record_size
 from processors.delivery.payload import Delivery, queue_headers, webhook_headers
-from processors.delivery.senders import WebhookSend, WebhookSender
+from processors.delivery.senders import AddressRefused, WebhookSend, WebhookSender
 from processors.health import Health
 
 log = logging.getLogger("opledger.delivery")
@@ -174,6 +176,8 @@ class DeliveryWorker:
         self._destinations = destinations
         self._policy = policy
         self._webhooks = webhooks
+        #: where webhooks may go: checked by the sender at every new connection
+        self._guard = AddressGuard(settings.delivery_allowed_networks)
         self._metrics = metrics
         self._codec = codec or default_codec()
         self._retry = retry or settings.delivery_retry_policy
@@ -521,7 +525,11 @@ class DeliveryWorker:
         fault_point("deliver.after_send_before_ack")
         after = datetime.now(UTC)
         verdicts = [
-            judge(
+            # An address the guard refuses is refused at every send until it is allowed: a
+            # lasting failure, dead-lettered at once (like a 413), for a redrive after that.
+            Verdict(Outcome.DEAD_LETTERED, reason=result.detail)
+            if isinstance(result, AddressRefused)
+            else judge(
                 result,
                 round_attempts=item.record.round_attempts,
                 round_start=item.record.round_start,
@@ -531,6 +539,7 @@ class DeliveryWorker:
             )
             for item, result in zip(sends, results, strict=True)
         ]
+        self._log_refused(sends, results)
         self._disable_gone(sends, verdicts)
         finals: list[DeliveryTransitioned] = []
         for item, verdict in zip(sends, verdicts, strict=True):
@@ -746,7 +755,11 @@ class DeliveryWorker:
                         "fetch secret to send results this large by reference)",
                         too_large=True,
                     )
-        answers = self._webhooks.start_many([w for _i, w in webhooks]) if webhooks else None
+        answers = (
+            self._webhooks.start_many([w for _i, w in webhooks], guard=self._guard)
+            if webhooks
+            else None
+        )
         for topic, records in queues.items():
             started = time.monotonic()
             try:
@@ -758,6 +771,15 @@ class DeliveryWorker:
             for index, _record in records:
                 results[index] = outcome
         return _InFlight(sends, results, [i for i, _w in webhooks], answers)
+
+    def _log_refused(self, sends: Sequence[_Item], results: Sequence[SendResult]) -> None:
+        refused = {
+            (i.record.tenant_id, i.record.destination): r.detail
+            for i, r in zip(sends, results, strict=True)
+            if isinstance(r, AddressRefused)
+        }
+        for (tenant, name), reason in refused.items():
+            log.warning("destination %s of tenant %s not connected to: %s", name, tenant, reason)
 
     def _disable_gone(self, sends: Sequence[_Item], verdicts: Sequence[Verdict]) -> None:
         gone = {

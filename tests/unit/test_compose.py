@@ -56,3 +56,16 @@ def test_dockerfile_copies_every_package_it_installs() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in [*packages, "schemas", "kafka"]:
         assert f"COPY {package} {package}" in dockerfile, package
+
+
+def test_the_delivery_worker_may_send_to_the_compose_network_and_no_further() -> None:
+    """Webhooks to private addresses are refused unless allowed (decision 019); the services
+    reach each other by name on the project's network, so the delivery worker allows exactly
+    that network's pinned subnet."""
+    compose = _compose()
+    delivery = compose["services"]["delivery"]["environment"]
+    unknown = set(delivery) - _known_variables()
+    assert not unknown, f"compose sets variables Settings never reads: {unknown}"
+    settings = Settings.from_env({k: str(v) for k, v in delivery.items()})
+    subnets = [c["subnet"] for c in compose["networks"]["default"]["ipam"]["config"]]
+    assert [str(n) for n in settings.delivery_allowed_networks] == subnets

@@ -116,6 +116,7 @@ def test_non_integer_names_the_variable(name: str, raw: str) -> None:
         ("OPLEDGER_DELIVERY_RESULTS_URL", "ftp://ledger.example"),
         ("OPLEDGER_DELIVERY_RESULTS_URL", "https://ledger.example/x?y=1"),
         ("OPLEDGER_DELIVERY_RESULTS_URL", "https://"),
+        ("OPLEDGER_DELIVERY_ALLOW_NETWORKS", "10.0.0.1/8"),
     ],
 )
 def test_out_of_range_value_names_the_variable(name: str, raw: str) -> None:
