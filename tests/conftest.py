@@ -54,7 +54,9 @@ def stack_settings() -> Settings:
     """Settings of the running local stack, started if needed (idempotent, fast when up)."""
     settings = Settings.from_env()
     stack.up(settings, echo=lambda _line: None)
-    return settings
+    # Test receivers listen on loopback, where webhooks may not go unless allowed (decision
+    # 019): every test's settings, isolated or a private stack's, start from these.
+    return settings.with_(delivery_allow_networks="127.0.0.0/8,::1/128")
 
 
 @contextmanager
@@ -68,7 +70,6 @@ def _isolated(stack_settings: Settings) -> Iterator[Settings]:
     settings = stack_settings.with_(
         topic_prefix=tag,
         pg_dsn=make_conninfo(stack_settings.dsn, dbname=database),
-        delivery_allow_networks="127.0.0.0/8,::1/128",  # test receivers listen on loopback
     )
     try:
         ensure_topics(settings)
