@@ -1,21 +1,45 @@
-"""A webhook receiver for delivery tests: a real HTTP server on 127.0.0.1 that answers with a
-script (statuses, Retry-After, or no answer at all), checks each request's Standard Webhooks
-signature, and keeps every request it received, so a test counts what the outside saw."""
+"""Delivery tests' parts: a webhook receiver (a real HTTP server on 127.0.0.1 that answers with a
+script: statuses, Retry-After, or no answer at all; checks each request's Standard Webhooks
+signature, and keeps every request it received, so a test counts what the outside saw), a raw
+listener that answers bytes of the test's choosing and counts every connection offered to it,
+and a delivery worker driven in-process with a projector stepped alongside it."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from ledger.codec import default_codec
+from ledger.destinations import DestinationStore, Kind
+from ledger.domain.fold import DeliveryRecord
+from ledger.domain.schedule import RetryPolicy
+from ledger.domain.states import DeliveryState
+from ledger.history import HistoryReader
+from ledger.metrics import Metrics
+from ledger.pg import open_pool
+from ledger.policy_store import PolicyStore
+from ledger.results import ResultStore
+from ledger.settings import Settings
+from ledger.transport import KafkaTransport
+from processors.batch_reader import BatchProjector
+from processors.delivery.senders import WebhookSender
+from processors.delivery.worker import DeliveryWorker
+from producers import TransitionRecorder
+from projections.writer import PostgresProjection
 from tests.support import free_port
+
+ACCEPTED = b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 @dataclass(frozen=True)
@@ -87,3 +111,159 @@ class ScriptedReceiver:
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+class RawListener:
+    """A webhook that answers every request with ``answer``, byte for byte (what a tenant's own
+    receiver may send back), after reading the request; it counts every connection offered to
+    it as well as the requests, so "never connected to" is counted, not assumed."""
+
+    def __init__(self, answer: bytes = ACCEPTED, host: str = "127.0.0.1") -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests = 0
+        self.port = free_port()
+        self.url = f"http://{host}:{self.port}/events"
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, self.port))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+                    if b"\r\n\r\n" not in data:
+                        continue
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":", 1)[1])
+                    while len(body) < length:
+                        body += conn.recv(65536)
+                    self.requests += 1
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+class SteppedDeliveryRig:
+    """A delivery worker on ``settings`` in this process (a 300 ms retry, no jitter), a
+    projector stepped alongside it, and a service that records succeeded calls of ``tool``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tool: str,
+        actor: str,
+        secret: str,
+        webhook_timeout_ms: int = 5000,
+    ) -> None:
+        self.settings = settings
+        self.tool, self.actor, self.secret = tool, actor, secret
+        self.webhook_timeout_ms = webhook_timeout_ms
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics.create(self.registry)
+        self.pool = open_pool(settings.dsn, name="stepped-delivery")
+        self.transport = KafkaTransport(settings)
+        self.history = HistoryReader(settings, self.pool)
+        self.webhooks = WebhookSender(concurrency=32, metrics=self.metrics)
+        self.destinations = DestinationStore(self.pool)
+        self.worker = DeliveryWorker(
+            settings,
+            pool=self.pool,
+            transport=self.transport,
+            history=self.history,
+            results=ResultStore(self.pool),
+            destinations=self.destinations,
+            policy=PolicyStore(self.pool).evaluate_many,
+            webhooks=self.webhooks,
+            metrics=self.metrics,
+            retry=RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
+            unit_random=lambda: 0.5,
+        )
+        self.worker.join()
+        self.sink = PostgresProjection.connect(settings.dsn)
+        self.projector = BatchProjector(
+            settings, self.sink, default_codec(), Metrics.create(CollectorRegistry())
+        )
+        self.projector._consumer = self.projector._open()
+        self.service = TransitionRecorder.connect(settings, owner="service")
+
+    def close(self) -> None:
+        self.service.close()
+        self.projector.close()
+        self.sink.close()
+        self.worker.close()
+        self.webhooks.close()
+        self.history.close()
+        self.transport.close()
+        self.pool.close()
+
+    def webhook(self, tenant: str, name: str, url: str) -> None:
+        """A webhook destination of ``tenant`` for the rig's tool, written to the store as is
+        (rows written before the CLI's checks, host names that resolve to anything: the worker
+        is the boundary)."""
+        self.destinations.add(
+            tenant_id=tenant,
+            name=name,
+            kind=Kind.WEBHOOK,
+            target=url,
+            tools=[self.tool],
+            changed_by="test",
+            secret=self.secret,
+            timeout_ms=self.webhook_timeout_ms,
+        )
+
+    def succeeded(self, tenant: str) -> str:
+        op = self.service.intent(
+            tenant, self.actor, self.tool, {"to": "a@example.com", "n": time.time_ns()}
+        )
+        self.service.dispatched(op, provider_ref=op.operation_id)
+        self.service.succeeded(op, b'{"sent": true}', content_type="application/json")
+        return op.operation_id
+
+    def step(self) -> float:
+        """One worker pass, then one projector batch; the seconds the worker's pass took."""
+        started = time.monotonic()
+        self.worker.run_once(timeout=0.05)
+        took = time.monotonic() - started
+        self.projector.run_once()
+        return took
+
+    def delivery(self, tenant: str, op_id: str, destination: str) -> DeliveryRecord | None:
+        return self.history.load([(op_id, tenant)])[op_id].deliveries.get(destination)
+
+    def state(self, tenant: str, op_id: str, destination: str) -> DeliveryState | None:
+        record = self.delivery(tenant, op_id, destination)
+        return None if record is None else record.state
+
+    def sample(self, destination: str, outcome: str) -> float:
+        """``opledger_deliveries_total`` of ``destination`` and ``outcome``, as scraped."""
+        value = self.registry.get_sample_value(
+            "opledger_deliveries_total", {"destination": destination, "outcome": outcome}
+        )
+        return value or 0.0

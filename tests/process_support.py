@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -43,3 +44,51 @@ def kill(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
+
+
+_FAUST_HOST = """
+import logging, sys, time
+import faust
+from prometheus_client import CollectorRegistry
+from ledger.settings import Settings
+from processors.app import create_app
+
+class Health:
+    def snapshot(self):
+        return {{"status": "ok", "progressing": True}}
+
+{loop}
+
+settings = Settings.from_env()
+app = create_app(settings, Loop(), CollectorRegistry(), name={name!r}, web_port=int(sys.argv[1]))
+faust.Worker(app, loglevel="info", quiet=True).execute_from_commandline()
+print("the worker returned normally", flush=True)
+"""
+
+
+def run_faust_host(
+    loop: str, name: str, env: dict[str, str], workdir: Path, port: int, *, timeout: float = 60
+) -> tuple[int | None, str]:
+    """Run the real faust worker, as ``opledger projector run`` hosts its loop, around ``loop``:
+    the source of a class ``Loop`` with ``health = Health()``, ``run()`` and ``stop()``. Returns
+    its exit code (None: still alive after ``timeout`` s, then SIGKILLed) and its output."""
+    script = workdir / f"{name}-host.py"
+    script.write_text(_FAUST_HOST.format(loop=textwrap.dedent(loop).strip(), name=name))
+    log = workdir / f"{name}-host.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(port)],
+            env={**env, "PYTHONPATH": str(ROOT)},
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        code: int | None
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    return code, log.read_text()

@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 from unittest.mock import patch
 
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
-from prometheus_client import CollectorRegistry
 
 from consumers.queue import QueueConsumer, drain
 from consumers.runtime import ConsumerRuntime
-from ledger.codec import default_codec
 from ledger.destinations import DestinationError, DestinationStore, Kind
-from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState
-from ledger.history import HistoryReader
-from ledger.metrics import Metrics
 from ledger.pg import open_pool
-from ledger.policy_store import PolicyStore
-from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport
-from processors.batch_reader import BatchProjector
-from processors.delivery.senders import WebhookSender
-from processors.delivery.worker import DeliveryWorker
 from producers import TransitionRecorder
-from projections.writer import PostgresProjection
-from tests.delivery_support import ScriptedReceiver
+from tests.delivery_support import RawListener, ScriptedReceiver, SteppedDeliveryRig
 from tests.support import free_port, grant, project_in_process, read_all
 
 pytestmark = pytest.mark.integration
@@ -53,122 +38,8 @@ VICTIM, ATTACKER = "acme", "globex"
 SECRET = "whsec_" + base64.b64encode(b"review-secret-0123456789").decode()
 
 
-class RawHook:
-    """A webhook that answers every request with ``answer``, byte for byte (what a tenant's
-    own receiver may send back), after reading the request."""
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self.requests = 0
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/events"
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", self.port))
-        self._sock.listen(64)
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data:
-                        data += conn.recv(65536)
-                    head, _, body = data.partition(b"\r\n\r\n")
-                    length = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            length = int(line.split(b":", 1)[1])
-                    while len(body) < length:
-                        body += conn.recv(65536)
-                    self.requests += 1
-                    conn.sendall(self.answer)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-
-class Rig:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.pool = open_pool(settings.dsn, name="review-delivery")
-        self.transport = KafkaTransport(settings)
-        self.history = HistoryReader(settings, self.pool)
-        self.metrics = Metrics.create(CollectorRegistry())
-        self.webhooks = WebhookSender(concurrency=32, metrics=self.metrics)
-        self.destinations = DestinationStore(self.pool)
-        self.worker = DeliveryWorker(
-            settings,
-            pool=self.pool,
-            transport=self.transport,
-            history=self.history,
-            results=ResultStore(self.pool),
-            destinations=self.destinations,
-            policy=PolicyStore(self.pool).evaluate_many,
-            webhooks=self.webhooks,
-            metrics=self.metrics,
-            retry=RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
-            unit_random=lambda: 0.5,
-        )
-        self.worker.join()
-        self.sink = PostgresProjection.connect(settings.dsn)
-        self.projector = BatchProjector(
-            settings, self.sink, default_codec(), Metrics.create(CollectorRegistry())
-        )
-        self.projector._consumer = self.projector._open()
-        self.service = TransitionRecorder.connect(settings, owner="service")
-
-    def close(self) -> None:
-        self.service.close()
-        self.projector.close()
-        self.sink.close()
-        self.worker.close()
-        self.webhooks.close()
-        self.history.close()
-        self.transport.close()
-        self.pool.close()
-
-    def webhook(self, tenant: str, name: str, url: str) -> None:
-        self.destinations.add(
-            tenant_id=tenant,
-            name=name,
-            kind=Kind.WEBHOOK,
-            target=url,
-            tools=[TOOL],
-            changed_by="test",
-            secret=SECRET,
-            timeout_ms=5000,
-        )
-
-    def succeeded(self, tenant: str) -> str:
-        op = self.service.intent(tenant, ACTOR, TOOL, {"to": "a@example.com", "n": time.time_ns()})
-        self.service.dispatched(op, provider_ref=op.operation_id)
-        self.service.succeeded(op, b'{"sent": true}', content_type="application/json")
-        return op.operation_id
-
-    def step(self) -> float:
-        started = time.monotonic()
-        self.worker.run_once(timeout=0.05)
-        took = time.monotonic() - started
-        self.projector.run_once()
-        return took
-
-    def state(self, tenant: str, op_id: str, destination: str) -> DeliveryState | None:
-        record = self.history.load([(op_id, tenant)])[op_id].deliveries.get(destination)
-        return None if record is None else record.state
+#: The rig every test here drives (``tests/delivery_support.py``).
+Rig = SteppedDeliveryRig
 
 
 @pytest.fixture
@@ -176,7 +47,7 @@ def rig(isolated: Settings) -> Iterator[Rig]:
     grant(isolated, VICTIM, actor=ACTOR, tool=TOOL, destinations=("hooks", "billing"))
     grant(isolated, ATTACKER, actor=ACTOR, tool=TOOL, destinations=("mine", "billing"))
     project_in_process(isolated)
-    made = Rig(isolated)
+    made = Rig(isolated, tool=TOOL, actor=ACTOR, secret=SECRET)
     yield made
     made.close()
 
@@ -187,7 +58,7 @@ def _victim_acked_while_attacker_answers(
     """globex's webhook answers ``answer``; acme's answers 202. Passes until acme's delivery
     is ACKED or ``budget_s`` passes; the time of each pass and acme's last state."""
     victim_hook = ScriptedReceiver(SECRET)
-    evil = RawHook(answer)
+    evil = RawListener(answer)
     try:
         rig.webhook(VICTIM, "hooks", victim_hook.url)
         rig.webhook(ATTACKER, "mine", evil.url)
@@ -212,7 +83,9 @@ def _victim_acked_while_attacker_answers(
         victim_hook.close()
 
 
-def test_a_tenants_retry_after_header_does_not_crash_the_delivery_worker(rig: Rig) -> None:
+def test_a_tenants_retry_after_header_does_not_crash_the_delivery_worker(
+    rig: Rig,
+) -> None:
     """globex's own webhook answers with ``Retry-After: ²`` (latin-1 superscript two:
     ``str.isdigit`` is true, ``int`` refuses it). The worker must judge that answer like any
     other; acme's delivery must go on."""
@@ -221,7 +94,9 @@ def test_a_tenants_retry_after_header_does_not_crash_the_delivery_worker(rig: Ri
     assert state is D.ACKED, f"acme's delivery is {state} after {len(passes)} passes"
 
 
-def test_a_huge_integer_retry_after_does_not_crash_the_delivery_worker(rig: Rig) -> None:
+def test_a_huge_integer_retry_after_does_not_crash_the_delivery_worker(
+    rig: Rig,
+) -> None:
     answer = (
         b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 99999999999999999999\r\n"
         b"Content-Length: 0\r\n\r\n"
@@ -230,7 +105,9 @@ def test_a_huge_integer_retry_after_does_not_crash_the_delivery_worker(rig: Rig)
     assert state is D.ACKED, f"acme's delivery is {state} after {len(passes)} passes"
 
 
-def test_a_tenants_reason_phrase_does_not_stall_every_tenants_deliveries(rig: Rig) -> None:
+def test_a_tenants_reason_phrase_does_not_stall_every_tenants_deliveries(
+    rig: Rig,
+) -> None:
     """globex's webhook answers 500 with a 10 KB reason phrase shaped for detect-secrets'
     KeywordDetector ("aPwd" repeated): the worker scrubs the whole phrase before cutting it to
     1000 characters, and that scrub is super-linear. acme's delivery must not wait on it."""
@@ -302,7 +179,7 @@ def test_the_delivery_process_survives_a_tenants_retry_after_header(
     from tests.support import env_for  # noqa: PLC0415
 
     grant(isolated, ATTACKER, actor=ACTOR, tool=TOOL, destinations=("mine",))
-    evil = RawHook(b"HTTP/1.1 202 Accepted\r\nRetry-After: \xb2\r\nContent-Length: 0\r\n\r\n")
+    evil = RawListener(b"HTTP/1.1 202 Accepted\r\nRetry-After: \xb2\r\nContent-Length: 0\r\n\r\n")
     port = free_port()
     env = env_for(
         isolated,
@@ -374,7 +251,9 @@ def _written_before_the_registry_checked_names() -> Any:
     return patch("ledger.destinations.recordable_destination", lambda _name: True)
 
 
-def test_the_registry_refuses_a_destination_name_no_event_can_carry(rig: Rig) -> None:
+def test_the_registry_refuses_a_destination_name_no_event_can_carry(
+    rig: Rig,
+) -> None:
     name = "sk_live_abcdefghijklmnopqrstuvwx"
     with pytest.raises(DestinationError, match="looks like a credential") as refused:
         rig.webhook(ATTACKER, name, "http://127.0.0.1:9/events")

@@ -10,39 +10,24 @@ The worker here runs without the tests' loopback allowance (``tests/conftest.py`
 from __future__ import annotations
 
 import base64
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from ledger.codec import default_codec
-from ledger.destinations import DestinationStore, Kind
+from ledger.destinations import DestinationStore
 from ledger.domain.fold import DeliveryRecord
-from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState
-from ledger.history import HistoryReader
-from ledger.metrics import Metrics
 from ledger.pg import open_pool
-from ledger.policy_store import PolicyStore
-from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport
 from opledger.cli import build_parser
 from opledger.deliver import destinations_add
-from processors.batch_reader import BatchProjector
-from processors.delivery.senders import WebhookSender
-from processors.delivery.worker import DeliveryWorker
-from producers import TransitionRecorder
-from projections.writer import PostgresProjection
+from tests.delivery_support import RawListener, SteppedDeliveryRig
 from tests.process_support import ROOT as ROOT_DIR
-from tests.support import env_for, free_port, grant, project_in_process
+from tests.support import env_for, grant, project_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -55,135 +40,10 @@ SECRET = "whsec_" + base64.b64encode(b"address-guard-0123456789").decode()
 GOOD_HOST = "127.0.0.2"
 
 
-class Listener:
-    """A real HTTP listener: counts every connection offered to it and answers 202."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.port = free_port()
-        self.connections = 0
-        self.requests = 0
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, self.port))
-        self._sock.listen(64)
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            self.connections += 1
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data:
-                        chunk = conn.recv(65536)
-                        if not chunk:
-                            break
-                        data += chunk
-                    if b"\r\n\r\n" not in data:
-                        continue
-                    head, _, body = data.partition(b"\r\n\r\n")
-                    length = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            length = int(line.split(b":", 1)[1])
-                    while len(body) < length:
-                        body += conn.recv(65536)
-                    self.requests += 1
-                    conn.sendall(
-                        b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    )
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-
-class Rig:
-    """A delivery worker on ``settings``, a projector stepped alongside, a service."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.registry = CollectorRegistry()
-        self.metrics = Metrics.create(self.registry)
-        self.pool = open_pool(settings.dsn, name="guard-delivery")
-        self.transport = KafkaTransport(settings)
-        self.history = HistoryReader(settings, self.pool)
-        self.webhooks = WebhookSender(concurrency=32, metrics=self.metrics)
-        self.destinations = DestinationStore(self.pool)
-        self.worker = DeliveryWorker(
-            settings,
-            pool=self.pool,
-            transport=self.transport,
-            history=self.history,
-            results=ResultStore(self.pool),
-            destinations=self.destinations,
-            policy=PolicyStore(self.pool).evaluate_many,
-            webhooks=self.webhooks,
-            metrics=self.metrics,
-            retry=RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
-            unit_random=lambda: 0.5,
-        )
-        self.worker.join()
-        self.sink = PostgresProjection.connect(settings.dsn)
-        self.projector = BatchProjector(
-            settings, self.sink, default_codec(), Metrics.create(CollectorRegistry())
-        )
-        self.projector._consumer = self.projector._open()
-        self.service = TransitionRecorder.connect(settings, owner="service")
-
-    def close(self) -> None:
-        self.service.close()
-        self.projector.close()
-        self.sink.close()
-        self.worker.close()
-        self.webhooks.close()
-        self.history.close()
-        self.transport.close()
-        self.pool.close()
-
-    def webhook(self, tenant: str, name: str, url: str) -> None:
-        # The store takes any well-formed URL (rows written before the CLI's check, host names
-        # that resolve to anything): the worker is the boundary.
-        self.destinations.add(
-            tenant_id=tenant,
-            name=name,
-            kind=Kind.WEBHOOK,
-            target=url,
-            tools=[TOOL],
-            changed_by="test",
-            secret=SECRET,
-            timeout_ms=2000,
-        )
-
-    def succeeded(self, tenant: str) -> str:
-        op = self.service.intent(tenant, ACTOR, TOOL, {"to": "a@example.com", "n": time.time_ns()})
-        self.service.dispatched(op, provider_ref=op.operation_id)
-        self.service.succeeded(op, b'{"sent": true}', content_type="application/json")
-        return op.operation_id
-
-    def step(self) -> None:
-        self.worker.run_once(timeout=0.05)
-        self.projector.run_once()
-
-    def delivery(self, tenant: str, op_id: str, destination: str) -> DeliveryRecord | None:
-        return self.history.load([(op_id, tenant)])[op_id].deliveries.get(destination)
-
-    def sample(self, destination: str, outcome: str) -> float:
-        value = self.registry.get_sample_value(
-            "opledger_deliveries_total", {"destination": destination, "outcome": outcome}
-        )
-        return value or 0.0
+def _rig(settings: Settings) -> SteppedDeliveryRig:
+    return SteppedDeliveryRig(
+        settings, tool=TOOL, actor=ACTOR, secret=SECRET, webhook_timeout_ms=2000
+    )
 
 
 def _final(record: DeliveryRecord | None) -> bool:
@@ -200,14 +60,14 @@ def guarded(isolated: Settings) -> Settings:
 
 
 @pytest.fixture
-def trap() -> Iterator[Listener]:
+def trap() -> Iterator[RawListener]:
     """A listener on 127.0.0.1: where a refused loopback destination would land."""
-    listener = Listener()
+    listener = RawListener()
     yield listener
     listener.close()
 
 
-def _refused_urls(trap: Listener) -> dict[str, tuple[str, str]]:
+def _refused_urls(trap: RawListener) -> dict[str, tuple[str, str]]:
     """id -> (URL, the words its refusal must hold)."""
     return {
         "metadata": ("http://169.254.169.254:1/latest/meta-data/", "169.254.169.254"),
@@ -227,11 +87,11 @@ RULES = {
 
 @pytest.mark.parametrize("case", sorted(RULES))
 def test_a_refused_address_is_dead_lettered_unconnected_and_the_others_go_on(
-    guarded: Settings, trap: Listener, case: str
+    guarded: Settings, trap: RawListener, case: str
 ) -> None:
     url, shown = _refused_urls(trap)[case]
-    good = Listener(GOOD_HOST)
-    rig = Rig(guarded)
+    good = RawListener(host=GOOD_HOST)
+    rig = _rig(guarded)
     try:
         rig.webhook(ATTACKER, "mine", url)
         rig.webhook(VICTIM, "hooks", f"http://{GOOD_HOST}:{good.port}/events")
@@ -266,12 +126,12 @@ def test_a_refused_address_is_dead_lettered_unconnected_and_the_others_go_on(
 
 
 def test_a_host_name_refused_then_allowed_is_delivered_after_a_redrive(
-    guarded: Settings, trap: Listener, tmp_path: Any
+    guarded: Settings, trap: RawListener, tmp_path: Any
 ) -> None:
     """``localhost`` with no allowance: dead-lettered, nothing connected. The operator allows
     loopback and redrives (``opledger deliveries redrive``): it is delivered, once."""
     url = f"http://localhost:{trap.port}/events"
-    rig = Rig(guarded)
+    rig = _rig(guarded)
     try:
         rig.webhook(ATTACKER, "mine", url)
         op = rig.succeeded(ATTACKER)
@@ -292,7 +152,7 @@ def test_a_host_name_refused_then_allowed_is_delivered_after_a_redrive(
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and "1 redriven" in done.stdout, done.stdout + done.stderr
-    rig = Rig(allowed)
+    rig = _rig(allowed)
     try:
         deadline = time.monotonic() + 60
         while rig.delivery(ATTACKER, op, "mine").state is not D.ACKED:  # type: ignore[union-attr]
