@@ -1683,6 +1683,7 @@ def test_the_hold_limit_counts_across_restarts_and_rebalances(consumer_settings:
     migrate_database(consumer_settings.consumer_dsn)  # the loop's condition reads its tables
     hold_limit_s = 4.0
     instances = 0
+    first_fetch: float | None = None  # the first failed fetch of any instance
     deadline = time.monotonic() + 120
     try:
         while changes_per_operation(consumer_settings).get(behind) != 1:
@@ -1693,6 +1694,7 @@ def test_the_hold_limit_counts_across_restarts_and_rebalances(consumer_settings:
             instances += 1
             try:
                 consumer.open()
+                opened = time.monotonic()
                 tried = server.requests[never]
                 leave_at = time.monotonic() + 30
                 while changes_per_operation(consumer_settings).get(behind) != 1:
@@ -1700,13 +1702,21 @@ def test_the_hold_limit_counts_across_restarts_and_rebalances(consumer_settings:
                         break
                     consumer.run_once(timeout_s=0.2)
                     if server.requests[never] > tried and leave_at > time.monotonic() + 1.5:
+                        first_fetch = first_fetch or time.monotonic()
                         leave_at = time.monotonic() + 1.5  # this instance tried: leave soon
+                held_by_the_last = time.monotonic() - opened
                 consumer.close()
             finally:
                 consumer.runtime.close()
     finally:
         server.close()
-    assert instances >= 3, "each instance held the record for less than the hold limit"
+    # The record waited the limit in all, from the first failed fetch, but the instance that
+    # dead-lettered it held it for less: its clock came from the database, not its memory. (How
+    # many instances that takes depends on how long each one's group join takes.)
+    assert first_fetch is not None
+    assert instances >= 2, "one instance held the record to the end"
+    assert held_by_the_last < hold_limit_s, held_by_the_last
+    assert time.monotonic() - first_fetch >= hold_limit_s - 0.5
     letters = _dead_letters_of(consumer_settings, topic)
     assert [(letter["at"], letter["kind"]) for letter in letters] == [((0, 0), "unfetchable")]
     assert changes_per_operation(consumer_settings) == Counter({behind: 1})
