@@ -116,14 +116,18 @@ class ScriptedReceiver:
 class RawListener:
     """A webhook that answers every request with ``answer``, byte for byte (what a tenant's own
     receiver may send back), after reading the request; it counts every connection offered to
-    it as well as the requests, so "never connected to" is counted, not assumed."""
+    it as well as the requests, so "never connected to" is counted, not assumed, and keeps each
+    request's head. A connection serves requests until its client closes it, or until an answer
+    that says ``Connection: close``."""
 
     def __init__(self, answer: bytes = ACCEPTED, host: str = "127.0.0.1") -> None:
         self.answer = answer
         self.connections = 0
         self.requests = 0
+        self.heads: list[bytes] = []
         self.port = free_port()
         self.url = f"http://{host}:{self.port}/events"
+        self._closes = b"connection: close" in answer.lower()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, self.port))
@@ -140,28 +144,34 @@ class RawListener:
             except TimeoutError:
                 continue
             self.connections += 1
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            try:
+                while not self._stop.is_set():
                     while b"\r\n\r\n" not in data:
                         chunk = conn.recv(65536)
                         if not chunk:
-                            break
+                            return
                         data += chunk
-                    if b"\r\n\r\n" not in data:
-                        continue
-                    head, _, body = data.partition(b"\r\n\r\n")
+                    head, _, data = data.partition(b"\r\n\r\n")
                     length = 0
                     for line in head.split(b"\r\n"):
                         if line.lower().startswith(b"content-length:"):
                             length = int(line.split(b":", 1)[1])
-                    while len(body) < length:
-                        body += conn.recv(65536)
+                    while len(data) < length:
+                        data += conn.recv(65536)
+                    data = data[length:]
+                    self.heads.append(head)
                     self.requests += 1
                     conn.sendall(self.answer)
-                except OSError:
-                    pass
+                    if self._closes:
+                        return
+            except OSError:
+                pass
 
     def close(self) -> None:
         self._stop.set()

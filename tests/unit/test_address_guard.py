@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from opledger import supervisor
 from opledger.cli import build_parser
 from opledger.deliver import with_allowed
 from processors.delivery.senders import AddressRefused, WebhookSend, WebhookSender
+from tests.delivery_support import RawListener
 
 HOME = {"OPLEDGER_HOME": "/srv/opledger"}
 IP = ipaddress.ip_address
@@ -246,60 +246,11 @@ def test_the_local_stacks_delivery_worker_allows_loopback_and_nothing_else() -> 
 # -- the sender, at connection time ---------------------------------------------------------------
 
 
-class _Listener:
-    """Counts connections on 127.0.0.1 and answers every request on them 202 (keep-alive),
-    keeping each request's head."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(16)
-        self._sock.settimeout(0.2)
-        self.port = self._sock.getsockname()[1]
-        self.connections = 0
-        self.heads: list[bytes] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            self.connections += 1
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            data = b""
-            while not self._stop.is_set():
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                while len(data) < length:
-                    data += conn.recv(65536)
-                data = data[length:]
-                self.heads.append(head)
-                conn.sendall(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
-
-
 @pytest.fixture
-def listener() -> Iterator[_Listener]:
-    made = _Listener()
+def listener() -> Iterator[RawListener]:
+    """Counts connections on 127.0.0.1 and answers every request on them 202, keeping them
+    alive, and each request's head."""
+    made = RawListener(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n")
     yield made
     made.close()
 
@@ -342,7 +293,7 @@ def _send(sender: WebhookSender, url: str, guard: AddressGuard | None) -> Any:
 
 
 def test_a_name_with_any_refused_address_is_refused_before_any_connection(
-    sender: WebhookSender, listener: _Listener
+    sender: WebhookSender, listener: RawListener
 ) -> None:
     """A name whose answer mixes a public address and loopback (a rebinding resolver's
     favourite) is refused as a whole, whatever order the answer comes in."""
@@ -354,7 +305,7 @@ def test_a_name_with_any_refused_address_is_refused_before_any_connection(
 
 
 def test_the_connection_goes_to_the_address_checked_with_the_host_header_kept(
-    sender: WebhookSender, listener: _Listener
+    sender: WebhookSender, listener: RawListener
 ) -> None:
     """The name is resolved once per connection, by the check, and the connection is made to
     the address that passed it (a second lookup could answer otherwise): the resolver is asked
@@ -369,7 +320,7 @@ def test_the_connection_goes_to_the_address_checked_with_the_host_header_kept(
 
 
 def test_a_connection_opened_without_a_guard_is_not_reused_under_one(
-    sender: WebhookSender, listener: _Listener
+    sender: WebhookSender, listener: RawListener
 ) -> None:
     url = f"http://127.0.0.1:{listener.port}/in"
     assert _send(sender, url, None).status == 202  # a caller that vouches for its URL
