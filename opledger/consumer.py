@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ledger import faults
 from ledger.settings import Settings, SettingsError
+from opledger.arguments import tcp_port
 
 if TYPE_CHECKING:
     import asyncio
@@ -206,13 +207,6 @@ def _coordinates(raw: str) -> tuple[int, int]:
     return int(partition), int(offset)
 
 
-def _port(raw: str) -> int:
-    port = int(raw)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {raw}")
-    return port
-
-
 def register(commands: Any) -> None:
     """``opledger consumer run|queue|redrive``."""
     parser = commands.add_parser(
@@ -227,7 +221,7 @@ def register(commands: Any) -> None:
     run_parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     run_parser.add_argument(
         "--port",
-        type=_port,
+        type=tcp_port,
         default=None,
         help="port to bind (default OPLEDGER_CONSUMER_WEB_PORT, 16068; 0 picks a free one)",
     )
@@ -238,7 +232,7 @@ def register(commands: Any) -> None:
     queue_parser.add_argument("--topic", required=True, help="the queue destination's topic")
     queue_parser.add_argument(
         "--metrics-port",
-        type=_port,
+        type=tcp_port,
         default=None,
         help="serve /metrics on this port (0 picks a free one; default: no metrics server)",
     )

@@ -3,18 +3,12 @@ until this subcommand runs."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
+
+from opledger.arguments import tcp_port
 
 #: Next to the projector's 16066; tests pass a free port instead.
 DEFAULT_PORT = 16077
-
-
-def _port(raw: str) -> int:
-    port = int(raw)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {raw}")
-    return port
 
 
 def register(commands: Any) -> None:
@@ -31,7 +25,7 @@ def register(commands: Any) -> None:
     run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     run.add_argument(
         "--port",
-        type=_port,
+        type=tcp_port,
         default=None,
         help="port to bind (default: the port of OPLEDGER_FAKE_PROVIDER_URL, "
         f"{DEFAULT_PORT} unless set; 0 picks a free one and prints it)",
