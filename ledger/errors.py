@@ -85,3 +85,14 @@ class UnknownToolError(RecordError, ValueError):
 
 class ResultStoreError(RecordError):
     """A result payload could not be stored or is not acceptable (size, content type, tenant)."""
+
+
+class RecorderClosedError(RecordError):
+    """The recorder was closed (or is closing) before this call began; nothing was recorded.
+    Use a recorder that is open: connect a new one."""
+
+
+class ForkedRecorderError(RecordError):
+    """The recorder was created in another process and this one is a fork of it; nothing was
+    recorded. Its Kafka producer and PostgreSQL connections belong to the parent (a child using
+    them would hang or corrupt the parent's sessions): create a recorder in each process."""

@@ -37,7 +37,14 @@ from ledger.transport import OutgoingRecord, Positions, SplitTransport, Transpor
 from producers import execution
 from producers.execution import Execution
 from producers.operation import TrackedOperation, as_aware
-from producers.recorder import Plan, RecorderCore, RecorderOptions, clean_error
+from producers.recorder import (
+    CLOSE_WAIT_S,
+    Plan,
+    RecorderCore,
+    RecorderOptions,
+    clean_error,
+    guarded_async,
+)
 from producers.steps import (
     Blocking,
     Call,
@@ -84,6 +91,7 @@ class AsyncTransitionRecorder(RecorderCore):
         self._tool_threads = tool_threads
         self._tool_pool = ThreadPoolExecutor(tool_threads, thread_name_prefix="opledger-tools")
 
+    @guarded_async
     async def execute(
         self,
         tenant_id: str,
@@ -102,6 +110,7 @@ class AsyncTransitionRecorder(RecorderCore):
             )
         )
 
+    @guarded_async
     async def intent(
         self,
         tenant_id: str,
@@ -120,6 +129,7 @@ class AsyncTransitionRecorder(RecorderCore):
             )
         )
 
+    @guarded_async
     async def dispatched(
         self,
         handle: TrackedOperation,
@@ -135,6 +145,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def succeeded(
         self,
         handle: TrackedOperation,
@@ -157,6 +168,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def failed(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
@@ -168,6 +180,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def unknown(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
@@ -179,6 +192,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def delivery_pending(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -190,6 +204,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def delivery_sent(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -199,6 +214,7 @@ class AsyncTransitionRecorder(RecorderCore):
             lambda: self._plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
         )
 
+    @guarded_async
     async def delivery_acked(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -208,6 +224,7 @@ class AsyncTransitionRecorder(RecorderCore):
             lambda: self._plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
         )
 
+    @guarded_async
     async def delivery_retry(
         self,
         handle: TrackedOperation,
@@ -233,6 +250,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def delivery_dead_lettered(
         self,
         handle: TrackedOperation,
@@ -249,6 +267,7 @@ class AsyncTransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded_async
     async def append(
         self, events: Sequence[OperationEvent], *, known: Iterable[TrackedOperation] = ()
     ) -> dict[str, TrackedOperation]:
@@ -265,13 +284,23 @@ class AsyncTransitionRecorder(RecorderCore):
         await self._run(handles.values(), plan)
         return touched
 
+    @guarded_async
     async def resend(self, handle: TrackedOperation) -> bool:
         """See :meth:`TransitionRecorder.resend`."""
         return await self._run([handle], lambda: self._plan_resend(handle))
 
-    async def close(self) -> None:
-        """Flush queued records and close what this recorder opened. A tool call still running
-        on a thread (its caller gave up on it) is left to finish on its own."""
+    async def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Refuse new calls, let the running ones finish (up to ``timeout`` seconds), then flush
+        queued records and close what this recorder opened. A tool call still running on a
+        thread (its caller gave up on it) is left to finish on its own. Closing again does
+        nothing; in a forked child it only lets go of the parent's connections."""
+        if self._forked_close():
+            return
+        if self._calls:
+            # The running calls need this event loop to finish: wait off it.
+            await asyncio.to_thread(self._stop_calls, timeout)
+        else:
+            self._stop_calls(0)
         owned, self._owned = self._owned, []
         loop = asyncio.get_running_loop()
         for item in owned:

@@ -25,6 +25,7 @@ threaded one in the calling thread, the asyncio one without blocking its event l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -32,9 +33,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from ledger.domain import ids
 from ledger.domain.events import (
     ExecutionTransitioned,
+    Identifier,
+    OperationId,
     OwnershipTaken,
     ReconciliationDecided,
     recordable_provider_ref,
@@ -56,7 +61,7 @@ from ledger.faults import fault_point
 from ledger.results import MAX_RESULT_BYTES, recordable_content_type
 from ledger.tools import AsyncProvider, CallOutcome, ContactLost, Provider
 from producers.operation import OperationState, TrackedOperation
-from producers.steps import Blocking, Call, Pause, Record, Steps
+from producers.steps import Blocking, Call, Interrupted, Pause, Record, Steps
 
 if TYPE_CHECKING:
     from producers.recorder import Plan, RecorderCore, TransitionRecorder
@@ -127,7 +132,10 @@ def execute(
 ) -> Steps[Execution]:
     """Run one tool call through the ledger; see the module docstring."""
     provider = _provider(core, tool_name)
-    op_id = operation_id or core.new_operation_id()
+    _check_identity(tenant_id, actor_id, operation_id)
+    # An empty id is refused above, never taken for "none": a caller retrying with the same
+    # empty id would otherwise get a new operation, and a second call, every time.
+    op_id = core.new_operation_id() if operation_id is None else operation_id
     with core._executing(op_id):
         if operation_id is not None:  # the caller's own id: an earlier call may have begun it
             earlier = yield from _begun(core, op_id, tenant_id, tool_name, arguments)
@@ -251,8 +259,37 @@ def take_over(
 # -- internals -------------------------------------------------------------------------------
 
 
+_IDENTIFIER: TypeAdapter[str] = TypeAdapter(Identifier)
+_OPERATION_ID: TypeAdapter[str] = TypeAdapter(OperationId)
+
+
+def _check_identity(tenant_id: Any, actor_id: Any, operation_id: Any) -> None:
+    """Refuse ids no event can carry before any I/O (a caller's own id is looked up in
+    PostgreSQL first, where a NUL or a number would surface as a database error)."""
+    checks: list[tuple[str, Any, TypeAdapter[str]]] = [
+        ("tenant_id", tenant_id, _IDENTIFIER),
+        ("actor_id", actor_id, _IDENTIFIER),
+    ]
+    if operation_id is not None:
+        checks.append(("operation_id", operation_id, _OPERATION_ID))
+    for name, value, adapter in checks:
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            long = isinstance(value, str) and len(value) > 40
+            shown = ascii(value[:40] + "..." if long else value)
+            rule = (
+                "an op_ ULID (or none, for a fresh one)"
+                if name == "operation_id"
+                else "1 to 128 ASCII letters, digits and ._:@/- (starting with a letter or digit)"
+            )
+            raise InvalidTransitionError(
+                f"{name} {shown[:60]} is not {rule}: fix it; nothing was recorded"
+            ) from None
+
+
 def _provider(core: RecorderCore, tool_name: str) -> Provider | AsyncProvider:
-    provider = core._providers.get(tool_name)
+    provider = core._providers.get(tool_name) if isinstance(tool_name, str) else None
     if provider is None:
         known = ", ".join(sorted(core._providers)) or "none"
         raise UnknownToolError(
@@ -336,18 +373,40 @@ def _dispatch_and_call(
             )
     fault_point("execute.after_dispatch_before_call")
     try:
-        outcome: CallOutcome = yield Call(provider, arguments, key)
+        answer: Any = yield Call(provider, arguments, key)
     except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
         # Never retried here: only reconciliation (a lookup by this key) may decide.
-        lost: str | BaseException = (
-            f"contact lost after dispatch: {exc}" if isinstance(exc, ContactLost) else exc
+        interrupted = exc.original if isinstance(exc, Interrupted) else None
+        lost: str | BaseException = exc
+        if interrupted is not None:
+            lost = f"contact lost after dispatch: the call was interrupted ({interrupted!r})"
+        elif isinstance(exc, ContactLost):
+            lost = f"contact lost after dispatch: {exc}"
+        if interrupted is None:
+            yield from _left_unknown(core, handle, lost)
+            return _report(handle, error=str(lost), policy=decision)
+        # The interrupt (Ctrl-C, SystemExit, a cancelled task) goes on to the caller, but only
+        # once the log says the call may have happened: a caller who is never told could call
+        # again under a new id.
+        try:
+            yield from _left_unknown(core, handle, lost)
+        except Exception as failure:
+            interrupted.add_note(
+                f"opledger: {handle.operation_id} was dispatched when its call was interrupted, "
+                f"and UNKNOWN could not be recorded ({failure}): it may have happened. Do not "
+                "call it again; the recovery worker reconciles it once its lease runs out"
+            )
+            raise interrupted from failure
+        interrupted.add_note(
+            f"opledger: {handle.operation_id} was dispatched when its call was interrupted: it "
+            "is recorded UNKNOWN and the recovery worker reconciles it. Do not call it again"
         )
-        yield from recorded(core, handle, core._step(handle, ExecutionState.UNKNOWN, error=lost))
-        if lease is not None and leases is not None:
-            # Let the recovery worker reconcile it now rather than when the lease runs out.
-            yield Blocking(lambda: leases.release([lease]))
-        return _report(handle, error=str(lost), policy=decision)
+        raise interrupted from None
     fault_point("execute.after_response_before_result")
+    outcome = _checked_outcome(answer)
+    if isinstance(outcome, str):
+        yield from _left_unknown(core, handle, outcome)
+        return _report(handle, error=outcome, policy=decision)
     if not outcome.succeeded:
         # The provider's words, recorded as said even where no store could hold them.
         error = storable_text(outcome.error or "the provider reported a failure")
@@ -362,11 +421,7 @@ def _dispatch_and_call(
             f"store's limit of {MAX_RESULT_BYTES}: left for reconciliation (it is not called "
             "again)"
         )
-        yield from recorded(
-            core, handle, core._step(handle, ExecutionState.UNKNOWN, error=unstorable)
-        )
-        if lease is not None and leases is not None:
-            yield Blocking(lambda: leases.release([lease]))
+        yield from _left_unknown(core, handle, unstorable)
         return _report(handle, error=unstorable, policy=decision)
     succeeded = core._step(
         handle,
@@ -377,6 +432,40 @@ def _dispatch_and_call(
     )
     yield from recorded(core, handle, succeeded)
     return _report(handle, result=result, policy=decision)
+
+
+def _left_unknown(
+    core: RecorderCore, handle: TrackedOperation, error: str | BaseException
+) -> Steps[None]:
+    """Record UNKNOWN after dispatch and release the lease, so that the recovery worker
+    reconciles the operation now rather than when the lease runs out."""
+    yield from recorded(core, handle, core._step(handle, ExecutionState.UNKNOWN, error=error))
+    leases, lease = core._leases, handle.lease
+    if lease is not None and leases is not None:
+        yield Blocking(lambda: leases.release([lease]))
+
+
+def _checked_outcome(answer: Any) -> CallOutcome | str:
+    """The provider's answer when it is a :class:`CallOutcome` as declared, else why not: an
+    answer of another shape cannot say whether the call happened, so it is UNKNOWN (as a lookup
+    that is not a LookupResult is "cannot tell", decision 018), never an exception the caller
+    could retry."""
+    if not isinstance(answer, CallOutcome):
+        problem = f"answered with {type(answer).__name__}, not a CallOutcome"
+    elif not isinstance(answer.succeeded, bool):
+        problem = f"answered succeeded={type(answer.succeeded).__name__}, not a bool"
+    elif isinstance(answer.result, bytearray | memoryview):
+        return dataclasses.replace(answer, result=bytes(answer.result))
+    elif answer.result is not None and not isinstance(answer.result, bytes):
+        problem = f"answered a result of type {type(answer.result).__name__}, not bytes"
+    elif answer.error is not None and not isinstance(answer.error, str):
+        problem = f"answered an error of type {type(answer.error).__name__}, not str"
+    else:
+        return answer
+    return (
+        f"the provider {problem}: whether the call happened cannot be told from it; left for "
+        "reconciliation (it is not called again)"
+    )
 
 
 def _check_policy(

@@ -22,12 +22,24 @@ the steps of an append and of ``intent`` (``producers.steps``; ``execute``'s are
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar, Protocol, Self, TypedDict, cast
+from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, Self, TypedDict, TypeVar, cast
 
 from pydantic import ValidationError
 
@@ -53,15 +65,17 @@ from ledger.entropy import entropy as entropy_pool
 from ledger.errors import (
     ConflictError,
     DeliveryError,
+    ForkedRecorderError,
     IllegalTransitionError,
     InDoubtError,
     InvalidTransitionError,
     LeaseLostError,
+    RecorderClosedError,
     RecordError,
 )
 from ledger.faults import fault_point
 from ledger.history import HistoryReader, Snapshot
-from ledger.leases import LeaseStore, process_identity
+from ledger.leases import MAX_REQUEST_BYTES, LeaseStore, process_identity
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.results import ResultStore
@@ -100,6 +114,8 @@ from producers.steps import (
     T,
     alongside_outcome,
 )
+
+log = logging.getLogger(__name__)
 
 SCHEMA_HEADER = "opledger-schema"
 TENANT_HEADER = "tenant_id"
@@ -156,12 +172,69 @@ PolicyCheck = Callable[[PolicyRequest], PolicyDecision]
 def canonical_request(tool_name: str, arguments: Any) -> tuple[bytes, str]:
     """The stored request (canonical JSON of the arguments) and its hash, or a clear error."""
     try:
-        return ids.canonical_json(arguments), ids.request_hash(tool_name, arguments)
+        request = ids.canonical_json(arguments)
+        request_hash = ids.request_hash(tool_name, arguments)
+    except RecursionError:
+        # Not a ValueError: it would escape as a crash of the SDK rather than a refusal.
+        raise InvalidTransitionError(
+            "arguments are nested too deeply to be stored as JSON: flatten them; nothing was sent"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise InvalidTransitionError(
             f"arguments are not canonical JSON ({exc}): pass JSON-serialisable values "
             "without NaN or infinity; nothing was sent"
         ) from exc
+    if len(request) > MAX_REQUEST_BYTES:
+        # Checked here, not only by the lease store: for a fresh id the lease is taken while the
+        # intent is in flight, so a refusal there would come after the intent was written.
+        raise InvalidTransitionError(
+            f"arguments are {len(request)} bytes as JSON, over the {MAX_REQUEST_BYTES} a request "
+            "may be: pass a reference to large content instead; nothing was sent"
+        )
+    return request, request_hash
+
+
+# The recorders whose calls the current thread or task is inside: a call made from within one
+# (a tool that records a nested tool call, a cancel's own append) belongs to it, so it is
+# neither refused by a close() that waits for it nor counted as a call close() must wait for.
+_INSIDE: ContextVar[tuple[int, ...]] = ContextVar("opledger_inside_recorders", default=())
+
+#: How long ``close()`` waits for calls already running to finish before it closes anyway.
+CLOSE_WAIT_S = 30.0
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_C = TypeVar("_C", bound="RecorderCore")
+
+
+def guarded(method: Callable[Concatenate[_C, _P], _R]) -> Callable[Concatenate[_C, _P], _R]:
+    """A public call of the threaded recorder: refused after close() or in a forked child."""
+
+    @functools.wraps(method)
+    def call(self: _C, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        token = self._enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._leave(token)
+
+    return call
+
+
+def guarded_async(
+    method: Callable[Concatenate[_C, _P], Awaitable[_R]],
+) -> Callable[Concatenate[_C, _P], Coroutine[Any, Any, _R]]:
+    """:func:`guarded` for the asyncio recorder's coroutines."""
+
+    @functools.wraps(method)
+    async def call(self: _C, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        token = self._enter()
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._leave(token)
+
+    return call
 
 
 def clean_error(error: str | BaseException) -> str:
@@ -241,6 +314,65 @@ class RecorderCore:
         self._history_lock = threading.Lock()
         self._executing_ids: set[str] = set()
         self._executing_lock = threading.Lock()
+        # librdkafka's threads and psycopg's sockets do not survive a fork: a child must not
+        # touch them (decision 020).
+        self._pid = os.getpid()
+        self._closed = False
+        self._calls = 0
+        self._calls_changed = threading.Condition()
+
+    # -- calls and their end (decision 020) ----------------------------------------------------
+
+    def _enter(self) -> Token[tuple[int, ...]]:
+        """Admit one public call (refused, with nothing done, in a forked child or once closed)."""
+        if os.getpid() != self._pid:
+            raise ForkedRecorderError(
+                f"this recorder was created in process {self._pid} and this is process "
+                f"{os.getpid()}, a fork of it: its Kafka producer and PostgreSQL connections are "
+                "the parent's and cannot be used here. Create a recorder in each process "
+                "(after the fork); nothing was recorded"
+            )
+        inside = _INSIDE.get()
+        with self._calls_changed:
+            if self._closed and id(self) not in inside:
+                raise RecorderClosedError(
+                    "this recorder is closed (or closing); nothing was recorded. Connect a new "
+                    "recorder for further calls"
+                )
+            self._calls += 1
+        return _INSIDE.set((*inside, id(self)))
+
+    def _leave(self, token: Token[tuple[int, ...]]) -> None:
+        _INSIDE.reset(token)
+        with self._calls_changed:
+            self._calls -= 1
+            self._calls_changed.notify_all()
+
+    def _stop_calls(self, timeout: float) -> bool:
+        """Refuse new calls, then wait up to ``timeout`` for the running ones (but not for the
+        calls this one is made from, which cannot end before it). False when time ran out."""
+        own = _INSIDE.get().count(id(self))
+        with self._calls_changed:
+            self._closed = True
+            finished = self._calls_changed.wait_for(lambda: self._calls <= own, timeout)
+            if not finished:
+                log.warning(
+                    "closing the recorder with %d call(s) still running after %.0fs; they end "
+                    "with an error (an append in doubt is reported as such)",
+                    self._calls - own,
+                    timeout,
+                )
+            return finished
+
+    def _forked_close(self) -> bool:
+        """In a forked child: drop what the parent owns without closing it (a flush would wait
+        for threads that do not exist here, and closing a connection would end the parent's
+        session); True when this is such a child."""
+        if os.getpid() == self._pid:
+            return False
+        self._closed = True
+        self._owned.clear()
+        return True
 
     @classmethod
     def connect(
@@ -313,7 +445,9 @@ class RecorderCore:
         intent's acknowledgement is in flight (``execute``'s policy read), after the lease."""
         if fresh is None:
             fresh = operation_id is None
-        handle = TrackedOperation.unknown(operation_id or self.new_operation_id())
+        handle = TrackedOperation.unknown(
+            self.new_operation_id() if operation_id is None else operation_id
+        )
         request, request_hash = canonical_request(tool_name, arguments)
         # Validated before the lease is taken: nothing is stored for an intent that cannot be.
         event = self._intent_event(
@@ -811,6 +945,7 @@ class TransitionRecorder(RecorderCore):
 
     # -- the everyday form and ownership (producers/execution.py) ------------------------------
 
+    @guarded
     def execute(
         self,
         tenant_id: str,
@@ -830,20 +965,24 @@ class TransitionRecorder(RecorderCore):
             )
         )
 
+    @guarded
     def resume(self, handle: TrackedOperation) -> Execution:
         """Dispatch (once) an intent taken over from an owner that went away before it did."""
         return execution.resume(self, handle)
 
+    @guarded
     def load(self, operation_id: str, tenant_id: str) -> TrackedOperation:
         """The operation as the log says it is now (read-only handle, no lease)."""
         return execution.load(self, operation_id, tenant_id)
 
+    @guarded
     def cancel(
         self, operation_id: str, tenant_id: str, actor_id: str, reason: str
     ) -> TrackedOperation:
         """Cancel an operation: final before dispatch, reconciled (never retried) after it."""
         return execution.cancel(self, operation_id, tenant_id, actor_id, reason)
 
+    @guarded
     def take_over(
         self,
         operation_id: str,
@@ -860,6 +999,7 @@ class TransitionRecorder(RecorderCore):
 
     # -- execution ---------------------------------------------------------------------------
 
+    @guarded
     def intent(
         self,
         tenant_id: str,
@@ -896,6 +1036,7 @@ class TransitionRecorder(RecorderCore):
             )
         )
 
+    @guarded
     def dispatched(
         self,
         handle: TrackedOperation,
@@ -914,6 +1055,7 @@ class TransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded
     def succeeded(
         self,
         handle: TrackedOperation,
@@ -937,6 +1079,7 @@ class TransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded
     def failed(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
@@ -948,6 +1091,7 @@ class TransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded
     def unknown(
         self, handle: TrackedOperation, error: str | BaseException, *, actor_id: str | None = None
     ) -> bool:
@@ -961,6 +1105,7 @@ class TransitionRecorder(RecorderCore):
 
     # -- delivery ----------------------------------------------------------------------------
 
+    @guarded
     def delivery_pending(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -972,6 +1117,7 @@ class TransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded
     def delivery_sent(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -981,6 +1127,7 @@ class TransitionRecorder(RecorderCore):
             lambda: self._plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
         )
 
+    @guarded
     def delivery_acked(
         self, handle: TrackedOperation, destination: str, *, actor_id: str | None = None
     ) -> bool:
@@ -990,6 +1137,7 @@ class TransitionRecorder(RecorderCore):
             lambda: self._plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
         )
 
+    @guarded
     def delivery_retry(
         self,
         handle: TrackedOperation,
@@ -1015,6 +1163,7 @@ class TransitionRecorder(RecorderCore):
             ),
         )
 
+    @guarded
     def delivery_dead_lettered(
         self,
         handle: TrackedOperation,
@@ -1033,6 +1182,7 @@ class TransitionRecorder(RecorderCore):
 
     # -- batches and doubt ---------------------------------------------------------------------
 
+    @guarded
     def append(
         self, events: Sequence[OperationEvent], *, known: Iterable[TrackedOperation] = ()
     ) -> dict[str, TrackedOperation]:
@@ -1058,6 +1208,7 @@ class TransitionRecorder(RecorderCore):
         self._run(handles.values(), plan)
         return touched
 
+    @guarded
     def resend(self, handle: TrackedOperation) -> bool:
         """Send the in-doubt events of ``handle`` again, identical (same event ids), and settle
         the handle once they are acknowledged. Returns False when nothing was in doubt."""
@@ -1065,11 +1216,16 @@ class TransitionRecorder(RecorderCore):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Flush queued records and close what this recorder opened."""
-        for owned in self._owned:
-            owned.close()
-        self._owned.clear()
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Refuse new calls, let the running ones finish (up to ``timeout`` seconds), then flush
+        queued records and close what this recorder opened. Closing again does nothing; in a
+        forked child it only lets go of the parent's connections."""
+        if self._forked_close():
+            return
+        self._stop_calls(timeout)
+        owned, self._owned = self._owned, []
+        for item in owned:
+            item.close()
 
     def __enter__(self) -> Self:
         return self

@@ -13,6 +13,7 @@ construction.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -99,6 +100,16 @@ class Call:
     key: str
 
 
+class Interrupted(Exception):  # noqa: N818  # what happened to the call, not a bug of ours
+    """A :class:`Call` was ended by a ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``,
+    a cancelled task...): raised into the steps in its place, so that they record what is now
+    unknown before ``original`` is raised on to the caller."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"the call was interrupted: {type(original).__name__}")
+        self.original = original
+
+
 Effect = Record | Send | Blocking | Pause | Call
 Steps = Generator[Effect, Any, T]
 """A multi-step call: yields effects, receives their answers, returns its result."""
@@ -125,13 +136,33 @@ class Stepper(Generic[T]):
 
     async def run_async(self, perform: Callable[[Effect], Awaitable[Any]]) -> T:
         """Await every effect; returns the result. A cancellation is not raised into the steps:
-        it ends them where they stand (their ``finally`` blocks run)."""
+        it ends them where they stand (their ``finally`` blocks run), except during a
+        :class:`Call`, where the tool may have acted: the steps get :class:`Interrupted`. Once
+        the tool was called, a cancellation waits until the steps have recorded what became of
+        it (their effects are bounded by the SDK's own timeouts) and is raised then."""
+        called = False
+        deferred: asyncio.CancelledError | None = None
         try:
             while (effect := self.effect) is not None:
-                self._resume(*await _outcome_async(perform, effect))
-            return self._result
+                if called:
+                    answer, error, cancelled = await _past_the_call(perform, effect)
+                    deferred = deferred or cancelled
+                else:
+                    answer, error = await _outcome_async(perform, effect)
+                called = called or isinstance(effect, Call)
+                self._resume(answer, error)
+            result = self._result
         finally:
             self._steps.close()
+        if deferred is not None:
+            operation = getattr(result, "operation_id", None)
+            state = getattr(result, "state", None)
+            deferred.add_note(
+                f"opledger: cancelled after the tool was called; {operation} was recorded as "
+                f"{state} first (Execution not returned: read it with recorder.load)"
+            )
+            raise deferred
+        return result
 
     def _resume(self, answer: Any, error: Exception | None) -> None:
         if error is None:
@@ -152,6 +183,30 @@ def _outcome(perform: Callable[[Effect], Any], effect: Effect) -> tuple[Any, Exc
         return perform(effect), None
     except Exception as exc:  # raised into the steps, where the plain call would have raised
         return None, exc
+    except BaseException as exc:
+        if isinstance(effect, Call):
+            # The tool may have acted: the steps must record that before the interrupt goes on.
+            return None, Interrupted(exc)
+        raise
+
+
+async def _past_the_call(
+    perform: Callable[[Effect], Awaitable[Any]], effect: Effect
+) -> tuple[Any, Exception | None, asyncio.CancelledError | None]:
+    """``effect`` performed to its end even if the task is cancelled meanwhile: after the call,
+    stopping half way would leave the operation DISPATCHED (or its outcome in doubt) with a
+    caller told only "cancelled". Answers the cancellation too, for the steps to raise last."""
+    inner = asyncio.ensure_future(_outcome_async(perform, effect))
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            answer, error = await asyncio.shield(inner)
+        except asyncio.CancelledError as exc:
+            if inner.cancelled():  # the effect itself was cancelled (the loop is shutting down)
+                raise
+            cancelled = cancelled or exc
+            continue
+        return answer, error, cancelled
 
 
 async def _outcome_async(
@@ -161,3 +216,7 @@ async def _outcome_async(
         return await perform(effect), None
     except Exception as exc:  # as _outcome
         return None, exc
+    except BaseException as exc:  # a cancelled call too: as _outcome
+        if isinstance(effect, Call):
+            return None, Interrupted(exc)
+        raise
