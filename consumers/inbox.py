@@ -39,11 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from consumers.contract import Event
 from ledger import migrate
-from ledger.pg import SESSION_OPTIONS, DatabaseError, DatabaseUnavailableError, first_line
+from ledger.pg import (
+    SESSION_OPTIONS,
+    DatabaseError,
+    DatabaseUnavailableError,
+    first_line,
+    pool_closed,
+)
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 COMPONENT = "consumers"
@@ -285,6 +291,12 @@ class Inbox:
                 ) as conn:
                     found = await self._record(conn, ordered, via)
                 return [found[event.operation_id] for event in events]
+            except PoolClosed as exc:
+                # The consumer is closing: no reconnect can help, and its sender must hear
+                # "not now" (a 503, retried) rather than wait out the window.
+                raise DatabaseUnavailableError(
+                    f"could not record deliveries: {pool_closed(exc)}"
+                ) from exc
             except (psycopg.OperationalError, PoolTimeout) as exc:
                 # As ledger.pg.retrying: the work is idempotent (a repeat finds its own rows).
                 if time.monotonic() + delay >= deadline:
@@ -323,6 +335,8 @@ class Inbox:
             async with self._pool.connection(timeout=self._window_s) as conn:
                 cursor = await conn.execute(statement, params)
                 return list(await cursor.fetchall()) if cursor.description else []
+        except PoolClosed as exc:
+            raise DatabaseUnavailableError(f"could not {what}: {pool_closed(exc)}") from exc
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise DatabaseUnavailableError(f"could not {what}: {first_line(exc)}") from exc
         except psycopg.Error as exc:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ledger.domain.redact import redact
 from ledger.errors import RecordError
@@ -64,6 +64,14 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def pool_closed(exc: PoolClosed) -> str:
+    """Why work on a closed pool failed, for an error that says what to do."""
+    return (
+        f"its connection pool is closed ({first_line(exc)}): the client that owned it was "
+        "closed; nothing was done. Use an open client"
+    )
+
+
 def retrying(
     pool: ConnectionPool[Any],
     what: str,
@@ -79,6 +87,10 @@ def retrying(
         try:
             with pool.connection(timeout=max(0.1, deadline - time.monotonic())) as conn:
                 return work(conn)
+        except PoolClosed as exc:
+            # An OperationalError to psycopg, but no reconnect can open a pool its owner closed:
+            # retried, a call racing close() would wait out the whole window for nothing.
+            raise DatabaseError(f"could not {what}: {pool_closed(exc)}") from exc
         except (psycopg.OperationalError, PoolTimeout) as exc:
             if time.monotonic() + delay >= deadline:
                 where = redact(str(pool.conninfo))
