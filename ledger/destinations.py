@@ -14,7 +14,7 @@ import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,11 +54,36 @@ class Destination:
     timeout_ms: int
     enabled: bool
     disabled_reason: str | None
+    #: disabled because it answered 410 Gone: its deliveries are dead-lettered, not held
+    gone: bool = False
     updated_at: datetime | None = None
     changed_by: str | None = None
     #: the webhook signing secret, or the secret a queue's consumer signs its fetches of
     #: results delivered by reference with (optional for queues); never printed
     secret: str | None = field(default=None, repr=False)
+    #: the secret a rotation replaced, still signed with (and accepted) until
+    #: ``previous_secret_until``; never printed
+    previous_secret: str | None = field(default=None, repr=False)
+    previous_secret_until: datetime | None = None
+
+    def signing_secrets(self, now: datetime) -> tuple[str, ...]:
+        """The secrets a send at ``now`` is signed with (and a fetch may be signed with):
+        the current one, then the one a rotation replaced while its overlap lasts."""
+        if self.secret is None:
+            return ()
+        if (
+            self.previous_secret is not None
+            and self.previous_secret_until is not None
+            and now < self.previous_secret_until
+        ):
+            return (self.secret, self.previous_secret)
+        return (self.secret,)
+
+
+#: How long a rotated-out secret is still signed with unless the operator says otherwise.
+ROTATION_OVERLAP = timedelta(hours=24)
+#: The longest overlap a rotation may keep: an old secret that lingers is a leaked one's friend.
+MAX_ROTATION_OVERLAP = timedelta(days=30)
 
 
 def new_secret() -> str:
@@ -255,13 +280,14 @@ def check(
 
 
 _COLUMNS = (
-    "tenant_id, name, kind, target, tools, timeout_ms, enabled, disabled_reason, updated_at, "
-    "changed_by, secret"
+    "tenant_id, name, kind, target, tools, timeout_ms, enabled, disabled_reason, gone, "
+    "updated_at, changed_by, secret, previous_secret, previous_secret_until"
 )
 
 
-def _destination(row: Sequence[Any]) -> Destination:
-    tenant, name, kind, target, tools, timeout, enabled, reason, updated, changed_by, secret = row
+def _destination(row: Sequence[Any], *, with_secrets: bool = True) -> Destination:
+    (tenant, name, kind, target, tools, timeout, enabled, reason, gone, updated, by) = row[:11]
+    secret, previous, until = row[11:] if with_secrets else (None, None, row[13])
     return Destination(
         tenant_id=tenant,
         name=name,
@@ -271,9 +297,12 @@ def _destination(row: Sequence[Any]) -> Destination:
         timeout_ms=timeout,
         enabled=enabled,
         disabled_reason=reason,
+        gone=gone,
         updated_at=updated,
-        changed_by=changed_by,
+        changed_by=by,
         secret=secret,
+        previous_secret=previous,
+        previous_secret_until=until,
     )
 
 
@@ -296,7 +325,8 @@ class DestinationStore:
         timeout_ms: int = 10_000,
     ) -> Destination:
         """Create or replace ``name`` for ``tenant_id`` (a webhook without a secret gets a new
-        one, returned in the result and nowhere else)."""
+        one, returned in the result and nowhere else). A replacement leaves a disabled
+        destination disabled: changing its URL or tools does not send what an operator held."""
         if kind is Kind.WEBHOOK and secret is None:
             secret = new_secret()
         check(
@@ -310,8 +340,10 @@ class DestinationStore:
                    VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
                    ON CONFLICT (tenant_id, name) DO UPDATE SET
                       kind = EXCLUDED.kind, target = EXCLUDED.target, secret = EXCLUDED.secret,
-                      tools = EXCLUDED.tools, timeout_ms = EXCLUDED.timeout_ms, enabled = true,
-                      disabled_reason = NULL, updated_at = now(),
+                      tools = EXCLUDED.tools, timeout_ms = EXCLUDED.timeout_ms,
+                      updated_at = now(),
+                      -- a replacement is not a rotation: no overlap with what it replaced
+                      previous_secret = NULL, previous_secret_until = NULL,
                       changed_by = EXCLUDED.changed_by
                    RETURNING {_COLUMNS}""",
                 (tenant_id, name, kind.value, target, secret, list(tools), timeout_ms, changed_by),
@@ -320,16 +352,33 @@ class DestinationStore:
         return _destination(retrying(self._pool, "store a destination", work))
 
     def set_enabled(
-        self, tenant_id: str, name: str, *, enabled: bool, changed_by: str, reason: str | None
+        self,
+        tenant_id: str,
+        name: str,
+        *,
+        enabled: bool,
+        changed_by: str,
+        reason: str | None,
+        gone: bool = False,
     ) -> bool:
-        """Enable or disable one destination; False if the tenant has no such destination."""
+        """Enable or disable one destination; False if the tenant has no such destination.
+        Disabled, its deliveries wait until it is enabled again, unless ``gone`` (it answered
+        410 Gone): then they are dead-lettered (decision 021)."""
 
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(
                 """UPDATE delivery_destinations
-                      SET enabled = %s, disabled_reason = %s, updated_at = now(), changed_by = %s
+                      SET enabled = %s, disabled_reason = %s, gone = %s, updated_at = now(),
+                          changed_by = %s
                     WHERE tenant_id = %s AND name = %s""",
-                (enabled, None if enabled else reason, changed_by, tenant_id, name),
+                (
+                    enabled,
+                    None if enabled else reason,
+                    gone and not enabled,
+                    changed_by,
+                    tenant_id,
+                    name,
+                ),
             ).rowcount
 
         return retrying(self._pool, "change a destination", work) > 0
@@ -344,7 +393,50 @@ class DestinationStore:
             ).fetchall()
 
         rows = retrying(self._pool, "list destinations", work)
-        return [_destination((*row[:-1], None)) for row in rows]
+        return [_destination(row, with_secrets=False) for row in rows]
+
+    def rotate_secret(
+        self,
+        tenant_id: str,
+        name: str,
+        *,
+        changed_by: str,
+        secret: str | None = None,
+        overlap: timedelta = ROTATION_OVERLAP,
+    ) -> Destination | None:
+        """Give ``name`` a new secret (``secret``, or a fresh one, returned in the result and
+        nowhere else), keeping the one it replaces for ``overlap``: sends are signed with both
+        until then. A second rotation within the overlap drops the oldest. None if the tenant
+        has no such destination with a secret to rotate."""
+        secret = new_secret() if secret is None else secret
+        if not SECRET_RE.match(secret):
+            raise DestinationError("a signing secret is whsec_ and base64")
+        if not timedelta(0) <= overlap <= MAX_ROTATION_OVERLAP:
+            raise DestinationError(
+                f"the overlap must be between 0 and {MAX_ROTATION_OVERLAP.days} days"
+            )
+
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            # The right-hand sides read the row as it was: the old secret becomes the previous.
+            return conn.execute(
+                f"""UPDATE delivery_destinations
+                      SET previous_secret = CASE WHEN %(overlap)s > interval '0' THEN secret END,
+                          previous_secret_until =
+                              CASE WHEN %(overlap)s > interval '0' THEN now() + %(overlap)s END,
+                          secret = %(secret)s, updated_at = now(), changed_by = %(by)s
+                    WHERE tenant_id = %(tenant)s AND name = %(name)s AND secret IS NOT NULL
+                RETURNING {_COLUMNS}""",
+                {
+                    "overlap": overlap,
+                    "secret": secret,
+                    "by": changed_by,
+                    "tenant": tenant_id,
+                    "name": name,
+                },
+            ).fetchone()
+
+        row = retrying(self._pool, "rotate a destination's secret", work)
+        return None if row is None else _destination(row)
 
     def get_many(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Destination]:
         """``(tenant_id, name)`` -> destination (with its secret), for those that exist."""

@@ -4,6 +4,10 @@ error (exit 2, the value named) before any command runs."""
 from __future__ import annotations
 
 import argparse
+import math
+
+#: What ``ledger.destinations.MAX_ROTATION_OVERLAP`` allows, in hours.
+MAX_OVERLAP_HOURS = 720
 
 
 def tcp_port(raw: str) -> int:
@@ -15,3 +19,14 @@ def tcp_port(raw: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port: {raw}")
     return port
+
+
+def overlap_hours(raw: str) -> float:
+    """Hours a rotated-out secret still signs: finite, 0 to 720 (30 days)."""
+    try:
+        hours = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of hours: {raw!r}") from None
+    if not math.isfinite(hours) or not 0 <= hours <= MAX_OVERLAP_HOURS:
+        raise argparse.ArgumentTypeError(f"not between 0 and {MAX_OVERLAP_HOURS} hours: {raw}")
+    return hours

@@ -2,7 +2,7 @@
 
 - ``opledger deliver run``: the delivery worker (any number: one consumer group, scaled on the
   execution topic's partitions);
-- ``opledger destinations add|list|enable|disable``: where a tenant's results go;
+- ``opledger destinations add|list|enable|disable|rotate-secret``: where a tenant's results go;
 - ``opledger deliveries redrive``: send dead-lettered deliveries again, an audited event each
   (who, why), idempotent: two redrives of one dead letter send it once.
 """
@@ -16,11 +16,13 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ledger import faults
 from ledger.settings import Settings
+from opledger.arguments import overlap_hours
 
 if TYPE_CHECKING:
     from processors.delivery.worker import DeliveryWorker
@@ -28,8 +30,6 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-#: The most dead letters one ``redrive --since`` sends again.
-REDRIVE_LIMIT = 10_000
 
 
 def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
@@ -200,6 +200,12 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
             )
             return EXIT_USAGE
     print(f"{added.tenant_id}/{added.name}: {added.kind.value} -> {added.target}")
+    if not added.enabled:
+        # A replacement does not undo a disable: what an operator held stays held.
+        print(
+            f"still disabled; its deliveries {'are dead-lettered' if added.gone else 'wait'} "
+            f"until: opledger destinations enable --tenant {added.tenant_id} --name {added.name}"
+        )
     # Shown once, to whoever configures the receiver; never logged, never in an event.
     if made and kind is Kind.WEBHOOK:
         print(f"signing secret (configure the receiver with it): {added.secret}")
@@ -221,7 +227,8 @@ def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     for d in found:
         # A 410's reason phrase is the destination's own words (ledger.display).
         reason = displayable(d.disabled_reason or "by an operator")
-        state = "enabled" if d.enabled else f"DISABLED ({reason})"
+        held = "deliveries dead-lettered" if d.gone else "deliveries wait"
+        state = "enabled" if d.enabled else f"DISABLED ({reason}) {held}"
         print(
             f"{d.name}\t{d.kind.value}\t{displayable(d.target)}\ttools={','.join(d.tools)}\t"
             f"timeout={d.timeout_ms}ms\t{state}\tchanged by {displayable(d.changed_by or '')}"
@@ -242,22 +249,115 @@ def destinations_enable(args: argparse.Namespace, settings: Settings) -> int:
     if not changed:
         print(f"tenant {args.tenant} has no destination {args.name}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"{args.tenant}/{args.name}: {'enabled' if enabled else 'disabled'}")
+    print(
+        f"{args.tenant}/{args.name}: "
+        + (
+            "enabled; deliveries that waited while it was disabled are sent now (those "
+            "dead-lettered after a 410 Gone need: opledger deliveries redrive)"
+            if enabled
+            else "disabled; its deliveries wait (nothing is sent) until it is enabled again"
+        )
+    )
+    return EXIT_OK
+
+
+def destinations_rotate(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations rotate-secret``: a new signing secret, the old one kept for an
+    overlap (sends are signed with both until then)."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    from ledger.destinations import DestinationError, DestinationStore  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+
+    secret = None
+    if args.secret_env:
+        secret = (os.environ.get(args.secret_env) or "").strip()
+        if not secret:
+            print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
+            return EXIT_USAGE
+    with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
+        try:
+            rotated = DestinationStore(pool).rotate_secret(
+                args.tenant,
+                args.name,
+                changed_by=_by(args),
+                secret=secret,
+                overlap=timedelta(hours=args.overlap_hours),
+            )
+        except DestinationError as exc:
+            print(f"not rotated: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    if rotated is None:
+        print(f"tenant {args.tenant} has no destination {args.name} with a secret", file=sys.stderr)
+        return EXIT_USAGE
+    until = rotated.previous_secret_until
+    print(
+        f"{rotated.tenant_id}/{rotated.name}: secret rotated; "
+        + (
+            f"sends are signed with the old one too until {until.isoformat()}"
+            if until is not None
+            else "the old one is no longer used"
+        )
+    )
+    if secret is None:  # shown once, to whoever configures the receiver
+        print(f"signing secret (configure the receiver with it): {rotated.secret}")
     return EXIT_OK
 
 
 # -- redrive -----------------------------------------------------------------------------------
 
+#: Dead letters one ``redrive --since`` reads, loads and appends per round trip: memory and the
+#: size of each append stay bounded however many the period holds.
+REDRIVE_BATCH = 500
+
+# Keyset pages up to the moment the command started: a delivery redriven, sent and dead-lettered
+# again while the command runs is a new dead letter, for a later redrive, not this one's next page.
 _DEAD_SINCE_SQL = """
-SELECT operation_id, destination FROM deliveries
- WHERE tenant_id = %(tenant)s AND state = 'DEAD_LETTERED' AND state_entered_at >= %(since)s
+SELECT operation_id, destination, state_entered_at FROM deliveries
+ WHERE tenant_id = %(tenant)s AND state = 'DEAD_LETTERED'
+   AND state_entered_at >= %(since)s AND state_entered_at <= %(until)s
    AND (%(destination)s::text IS NULL OR destination = %(destination)s)
- ORDER BY state_entered_at LIMIT %(limit)s
+   AND (state_entered_at, operation_id, destination) > (%(at)s, %(op)s, %(dest)s)
+ ORDER BY state_entered_at, operation_id, destination
+ LIMIT %(limit)s
+"""
+
+_DEAD_SINCE_COUNT_SQL = """
+SELECT count(*) FROM deliveries
+ WHERE tenant_id = %(tenant)s AND state = 'DEAD_LETTERED'
+   AND state_entered_at >= %(since)s AND state_entered_at <= %(until)s
+   AND (%(destination)s::text IS NULL OR destination = %(destination)s)
 """
 
 
+def _dead_since(dsn: str, params: dict[str, Any], batch: int) -> Iterator[list[tuple[str, str]]]:
+    """The period's dead letters, ``batch`` at a time, oldest first."""
+    import psycopg  # noqa: PLC0415
+
+    from ledger.pg import SESSION_OPTIONS  # noqa: PLC0415
+
+    after: tuple[datetime, str, str] = (datetime.min.replace(tzinfo=UTC), "", "")
+    with psycopg.connect(dsn, options=SESSION_OPTIONS) as conn:
+        while True:
+            rows = conn.execute(
+                _DEAD_SINCE_SQL,
+                {**params, "at": after[0], "op": after[1], "dest": after[2], "limit": batch},
+            ).fetchall()
+            if not rows:
+                return
+            yield [(r[0], r[1]) for r in rows]
+            last = rows[-1]
+            after = (last[2], last[0], last[1])
+            if len(rows) < batch:
+                return
+
+
 def redrive(args: argparse.Namespace, settings: Settings) -> int:
-    """``opledger deliveries redrive (OP --destination D | --since T)``."""
+    """``opledger deliveries redrive (OP --destination D | --since T)``.
+
+    One operation: exit 1 unless it was redriven (no such delivery for the tenant, or not
+    dead-lettered), saying why. A period: every dead letter of the tenant from ``T`` up to the
+    moment the command started, in batches, with progress on stderr."""
     import psycopg  # noqa: PLC0415
     from pydantic import ValidationError  # noqa: PLC0415
 
@@ -275,8 +375,14 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
     if args.operation_id is not None and args.destination is None:
         print("--destination: which destination of the operation to send again", file=sys.stderr)
         return EXIT_USAGE
+    if not args.reason.strip():
+        print("--reason: say why (it is recorded with the redrive)", file=sys.stderr)
+        return EXIT_USAGE
+    started = datetime.now(UTC)
+    batches: Iterable[list[tuple[str, str]]]
+    total: int | None = None
     if args.operation_id is not None:
-        wanted = [(args.operation_id, args.destination)]
+        batches = [[(args.operation_id, args.destination)]]
     else:
         try:
             since = datetime.fromisoformat(args.since)
@@ -285,61 +391,86 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
             return EXIT_USAGE
         if since.tzinfo is None:
             since = since.replace(tzinfo=UTC)
+        if since > started:
+            print(
+                f"--since {since.isoformat()} is in the future (it is {started.isoformat()} "
+                "now): nothing can have been dead-lettered since then",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        params = {
+            "tenant": args.tenant,
+            "since": since,
+            "until": started,
+            "destination": args.destination,
+        }
         with psycopg.connect(settings.dsn, options=SESSION_OPTIONS) as conn:
-            rows = conn.execute(
-                _DEAD_SINCE_SQL,
-                {
-                    "tenant": args.tenant,
-                    "since": since,
-                    "destination": args.destination,
-                    "limit": REDRIVE_LIMIT,
-                },
-            ).fetchall()
-        wanted = [(r[0], r[1]) for r in rows]
+            row = conn.execute(_DEAD_SINCE_COUNT_SQL, params).fetchone()
+        total = int(row[0]) if row else 0
+        print(
+            f"{total} dead letters of tenant {args.tenant} from {since.isoformat()} to "
+            f"{started.isoformat()}"
+            + (f" for destination {args.destination}" if args.destination else ""),
+            file=sys.stderr,
+        )
+        batches = _dead_since(settings.dsn, params, REDRIVE_BATCH)
     actor = _by(args)
     codec = default_codec()
-    sent, skipped = 0, 0
+    sent, skipped, seen = 0, 0, 0
     with open_pool(settings.dsn, name="opledger-redrive", max_size=2) as pool:
         history = HistoryReader(settings, pool, client_id="opledger-redrive")
         transport = KafkaTransport(settings)
         try:
-            snapshots = history.load({(op, args.tenant) for op, _d in wanted})
-            records = []
-            now = datetime.now(UTC)
-            for op_id, destination in wanted:
-                record = snapshots[op_id].deliveries.get(destination)
-                if record is None:
-                    print(f"{op_id} {destination}: no such delivery for tenant {args.tenant}")
-                    skipped += 1
-                    continue
-                if record.state is not DeliveryState.DEAD_LETTERED:
-                    print(f"{op_id} {destination}: {record.state.value}, not dead-lettered")
-                    skipped += 1
-                    continue
-                try:
-                    event = redrive_event(record, actor_id=actor, reason=args.reason, now=now)
-                except (ValueError, ValidationError) as exc:
-                    print(f"refused: {exc}", file=sys.stderr)
-                    return EXIT_USAGE
-                records.append(
-                    OutgoingRecord(
-                        settings.delivery_topic,
-                        op_id.encode("ascii"),
-                        codec.encode(event),
-                        [("opledger-schema", b"DeliveryTransitioned")],
+            for wanted in batches:
+                # Read from the log, not the projection: what the fold holds now, tenant-scoped.
+                snapshots = history.load({(op, args.tenant) for op, _d in wanted})
+                records = []
+                now = datetime.now(UTC)
+                for op_id, destination in wanted:
+                    snapshot = snapshots.get(op_id)
+                    record = None if snapshot is None else snapshot.deliveries.get(destination)
+                    if record is None:
+                        print(f"{op_id} {destination}: no such delivery for tenant {args.tenant}")
+                        skipped += 1
+                        continue
+                    if record.state is not DeliveryState.DEAD_LETTERED:
+                        print(
+                            f"{op_id} {destination}: {record.state.value}, not dead-lettered "
+                            "(redriven already, or never dead-lettered): nothing to do"
+                        )
+                        skipped += 1
+                        continue
+                    try:
+                        event = redrive_event(record, actor_id=actor, reason=args.reason, now=now)
+                    except (ValueError, ValidationError) as exc:
+                        print(f"refused: {exc}", file=sys.stderr)
+                        return EXIT_USAGE
+                    records.append(
+                        OutgoingRecord(
+                            settings.delivery_topic,
+                            op_id.encode("ascii"),
+                            codec.encode(event),
+                            [("opledger-schema", b"DeliveryTransitioned")],
+                        )
                     )
-                )
-                print(f"{op_id} {destination}: redriven ({event.event_id})")
-            if records:
-                transport.send(records)
-            sent = len(records)
+                    if total is None:
+                        print(f"{op_id} {destination}: redriven ({event.event_id})")
+                if records:
+                    transport.send(records)
+                sent += len(records)
+                seen += len(wanted)
+                if total is not None:
+                    print(f"{seen}/{total} read, {sent} redriven", file=sys.stderr, flush=True)
         except RecordError as exc:
-            print(f"not redriven: {exc}", file=sys.stderr)
+            # What was appended before stays appended: a rerun skips it (no longer dead).
+            print(f"not redriven: {exc} ({sent} redriven before it)", file=sys.stderr)
             return EXIT_FAILED
         finally:
             history.close()
             transport.close()
     print(f"{sent} redriven, {skipped} skipped")
+    if args.operation_id is not None and sent == 0:
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -403,6 +534,28 @@ def register(commands: Any) -> None:
         change.add_argument("--reason", default=None, help="why (kept with the destination)")
         change.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
         change.set_defaults(handler="opledger.deliver:destinations_enable")
+    rotate = actions.add_parser(
+        "rotate-secret",
+        help="a new signing secret; sends are signed with the old one too for an overlap, so "
+        "the receiver can switch when it is ready",
+    )
+    rotate.add_argument("--tenant", required=True, help="tenant id")
+    rotate.add_argument("--name", required=True, help="the destination")
+    rotate.add_argument(
+        "--secret-env",
+        metavar="VAR",
+        help="read the new whsec_ secret from this environment variable (default: a new one is "
+        "made and printed once)",
+    )
+    rotate.add_argument(
+        "--overlap-hours",
+        type=overlap_hours,
+        default=24.0,
+        help="how long the old secret still signs sends (0: from now on only the new one; at "
+        "most 720)",
+    )
+    rotate.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+    rotate.set_defaults(handler="opledger.deliver:destinations_rotate")
 
     parser = commands.add_parser("deliveries", help="dead-lettered deliveries: send them again")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")

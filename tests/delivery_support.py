@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -277,3 +277,28 @@ class SteppedDeliveryRig:
             "opledger_deliveries_total", {"destination": destination, "outcome": outcome}
         )
         return value or 0.0
+
+
+def step_until(rig: SteppedDeliveryRig, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Step ``rig`` until ``done()``; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        rig.step()
+
+
+def step_for(rig: SteppedDeliveryRig, seconds: float) -> None:
+    """Step ``rig`` for ``seconds``: for what must *not* happen (a send while a destination is
+    held), there is no event to await, only passes that had the chance to do it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        rig.step()
+
+
+def keys_seen(received: Iterable[Received]) -> dict[str, int]:
+    """Requests per Idempotency-Key, as the receiver counted them."""
+    counts: dict[str, int] = {}
+    for request in received:
+        key = request.headers.get("Idempotency-Key", "")
+        counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -65,9 +66,16 @@ def _signer(secret: str) -> Webhook:
     return Webhook(secret)
 
 
-def webhook_headers(delivery: Delivery, body: bytes, secret: str, now: datetime) -> dict[str, str]:
-    """The headers of one webhook send, signed over ``body`` with the destination's secret."""
-    signature = _signer(secret).sign(delivery.webhook_id, now, body.decode("utf-8"))
+def webhook_headers(
+    delivery: Delivery, body: bytes, secret: str, now: datetime, *, also: Sequence[str] = ()
+) -> dict[str, str]:
+    """The headers of one webhook send, signed over ``body`` with the destination's secret and
+    with each of ``also`` (a rotated-out secret during its overlap): Standard Webhooks puts the
+    signatures side by side, space-separated, and a receiver accepts any one it can verify."""
+    text = body.decode("utf-8")
+    signature = " ".join(
+        _signer(key).sign(delivery.webhook_id, now, text) for key in (secret, *also)
+    )
     return {
         "Content-Type": "application/json",
         IDEMPOTENCY_HEADER: delivery.operation_id,

@@ -16,6 +16,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from psycopg_pool import ConnectionPool
@@ -79,10 +80,10 @@ class ResultEndpoint:
         self, operation_id: str, tenant: str, name: str, headers: Mapping[str, str]
     ) -> Answer:
         destination = self._destinations.get_many([(tenant, name)]).get((tenant, name))
-        if (
-            destination is None
-            or destination.secret is None
-            or not fetch_signed(destination.secret, headers, tenant, name, operation_id)
+        # Either secret during a rotation's overlap: a consumer switches when it is ready.
+        if destination is None or not any(
+            fetch_signed(key, headers, tenant, name, operation_id)
+            for key in destination.signing_secrets(datetime.now(UTC))
         ):
             return _problem(
                 401, "bad-signature", "not signed with the destination's secret in the last 5 min"

@@ -14,8 +14,12 @@ are due and the SENTs whose outcome nobody recorded (a worker died after sending
 delivery send, before ACK write"). Each send is recorded SENT *before* it leaves, with the same
 ``Idempotency-Key`` and body every time, so a receiver recognises a repeat. Before a send the
 worker checks policy (DELIVER, as it is now), the destination (known, enabled) and the stored
-result; a refusal dead-letters the delivery with the reason. After it, ``judge`` says ACKED,
-PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination. A webhook
+result; a refusal dead-letters the delivery with the reason, except a destination an operator
+disabled: its deliveries wait, as they are, until it is enabled (decision 021). The destination
+and the policy are read once more after the SENTs are acknowledged, just before the sends leave,
+so a disable, a revocation or a new target committed meanwhile is obeyed. After it, ``judge``
+says ACKED, PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination
+(its later deliveries are dead-lettered: it said it is gone). A webhook
 whose address is in a refused network (loopback, private, link-local, ...: decision 019) is
 never connected to: its delivery is dead-lettered with the rule, and the others go on.
 
@@ -105,6 +109,11 @@ SELECT d.operation_id, d.tenant_id, d.destination, d.version
             ELSE d.next_attempt_at <= now() END
    AND NOT ((d.tenant_id, d.destination) IN
             (SELECT * FROM unnest(%(paused_tenants)s::text[], %(paused_names)s::text[])))
+   -- Held by an operator (decision 021): read again only once enabled, or a destination with
+   -- thousands of waiting deliveries would fill every pass's LIMIT and starve the others.
+   AND NOT EXISTS (SELECT 1 FROM delivery_destinations x
+                    WHERE x.tenant_id = d.tenant_id AND x.name = d.destination
+                      AND NOT x.enabled AND NOT x.gone)
  ORDER BY COALESCE(d.next_attempt_at, d.state_entered_at)
  LIMIT %(limit)s
 """
@@ -116,6 +125,13 @@ SELECT d.destination, count(*)
  WHERE o.kafka_partition = ANY(%s) AND d.state = 'DEAD_LETTERED'
  GROUP BY d.destination
 """
+
+
+def held(destination: Destination | None) -> bool:
+    """Whether ``destination``'s deliveries wait rather than go or die: disabled by an
+    operator, who enables it again (decision 021). One disabled because it answered 410 Gone
+    said it is gone: its deliveries are dead-lettered, for a redrive once someone fixed it."""
+    return destination is not None and not destination.enabled and not destination.gone
 
 
 @dataclass(slots=True)
@@ -462,6 +478,8 @@ class DeliveryWorker:
         for item, decision in zip(items, self._decisions(items, now), strict=True):
             if self._sent_recently(item, now):
                 continue  # its send may still be under way
+            if held(item.destination):
+                continue  # waits, as it is, until an operator enables the destination again
             reason = self._refusal(item, decision, now)
             if reason is not None:
                 dead = self._event(item.record, D.DEAD_LETTERED, item.record.attempts, now, reason)
@@ -482,8 +500,66 @@ class DeliveryWorker:
         if not sends:
             return 0
         fault_point("deliver.after_sent_before_send")
+        sends = self._last_look(sends, now)
+        if not sends:
+            return 0
         self._in_flight = self._send(sends, now)
         return len(sends)
+
+    def _last_look(self, sends: list[_Item], now: datetime) -> list[_Item]:
+        """``sends`` less those an operator stopped while their SENTs were being appended: the
+        destination and the policy are read once more, so a disable, a revocation or a new
+        target committed before this point is obeyed (decision 021). One destination read and
+        one policy read per pass. A held one goes back to PENDING, unsent; a refused one is
+        dead-lettered; the rest go to the destination as it is now."""
+        current = self._destinations.get_many(
+            (i.record.tenant_id, i.record.destination) for i in sends
+        )
+        decisions = self._decisions(sends, now)
+        going: list[_Item] = []
+        stopped: list[tuple[_Item, DeliveryTransitioned]] = []
+        for item, decision in zip(sends, decisions, strict=True):
+            record = item.record
+            destination = current.get((record.tenant_id, record.destination))
+            reason: str | None = None
+            if destination is None:
+                reason = f"no destination named {record.destination} for tenant {record.tenant_id}"
+            elif held(destination):
+                stopped.append(
+                    (
+                        item,
+                        self._event(
+                            record,
+                            D.PENDING,
+                            record.attempts,
+                            now,
+                            f"not sent: destination {record.destination} was disabled before "
+                            "the send left; it waits until the destination is enabled",
+                        ),
+                    )
+                )
+                continue
+            elif not destination.enabled:
+                reason = (
+                    f"destination {record.destination} is disabled: "
+                    f"{destination.disabled_reason or 'by an operator'}"
+                )
+            elif not decision.allowed:
+                reason = f"refused by policy {decision.version or '(no grant)'}: {decision.reason}"
+            if reason is not None:
+                stopped.append(
+                    (item, self._event(record, D.DEAD_LETTERED, record.attempts, now, reason))
+                )
+                continue
+            item.destination = destination
+            going.append(item)
+        if stopped:
+            self._append(event for _i, event in stopped)
+            for item, event in stopped:
+                item.record = self._applied(item.record, event, item.execution)
+                if item.record.state is D.DEAD_LETTERED:
+                    self._refused_counter(item.record.destination).inc()
+        return going
 
     def _decisions(self, items: Sequence[_Item], now: datetime) -> list[PolicyDecision]:
         """Policy as it is now for each item; asked once per distinct request of the batch."""
@@ -727,12 +803,20 @@ class DeliveryWorker:
             body = delivery.body()
             if destination.kind is Kind.WEBHOOK:
                 assert destination.secret is not None
+                # During a rotation's overlap, signed with the old secret too: a receiver that
+                # has either accepts the send.
                 webhooks.append(
                     (
                         index,
                         WebhookSend(
                             destination.target,
-                            webhook_headers(delivery, body, destination.secret, now),
+                            webhook_headers(
+                                delivery,
+                                body,
+                                destination.secret,
+                                now,
+                                also=destination.signing_secrets(now)[1:],
+                            ),
                             body,
                             destination.timeout_ms / 1000,
                         ),
@@ -789,7 +873,7 @@ class DeliveryWorker:
         }
         for (tenant, name), reason in gone.items():
             self._destinations.set_enabled(
-                tenant, name, enabled=False, changed_by=DELIVERY_WORKER, reason=reason
+                tenant, name, enabled=False, changed_by=DELIVERY_WORKER, reason=reason, gone=True
             )
             log.warning("destination %s of tenant %s disabled: %s", name, tenant, reason)
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from ledger.destinations import MAX_ROTATION_OVERLAP
+from opledger.arguments import MAX_OVERLAP_HOURS
 from opledger.cli import build_parser
 
 PORTED_COMMANDS = [
@@ -29,3 +33,25 @@ def test_a_port_that_is_not_one_is_a_usage_error_naming_it(
 def test_every_port_from_0_to_65535_is_taken(command: list[str], raw: str) -> None:
     option = command[-1].lstrip("-").replace("-", "_")
     assert getattr(build_parser().parse_args([*command, raw]), option) == int(raw)
+
+
+ROTATE = ["destinations", "rotate-secret", "--tenant", "acme", "--name", "crm", "--overlap-hours"]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "720.5", "1e10", "a day", ""])
+def test_an_overlap_that_is_not_0_to_720_hours_is_a_usage_error(
+    raw: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*ROTATE, raw])
+    assert exited.value.code == 2
+    assert "hours" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", ["0", "0.5", "24", "720"])
+def test_an_overlap_from_0_to_720_hours_is_taken(raw: str) -> None:
+    assert build_parser().parse_args([*ROTATE, raw]).overlap_hours == float(raw)
+
+
+def test_the_cli_bound_is_the_registrys() -> None:
+    assert timedelta(hours=MAX_OVERLAP_HOURS) == MAX_ROTATION_OVERLAP
