@@ -140,6 +140,16 @@ def _by(args: argparse.Namespace) -> str:
     return args.by or f"cli:{getpass.getuser()}"
 
 
+def _env_secret(variable: str) -> str | None:
+    """The secret in ``$variable``, or None (said on stderr) when it is unset or empty."""
+    # A secret mounted from a file usually ends with a newline: it is not part of it.
+    secret = (os.environ.get(variable) or "").strip()
+    if not secret:
+        print(f"--secret-env: ${variable} is not set", file=sys.stderr)
+        return None
+    return secret
+
+
 def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations add``."""
     from ledger.destinations import (  # noqa: PLC0415
@@ -159,10 +169,8 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
         return EXIT_USAGE
     secret = None
     if args.secret_env:
-        # A secret mounted from a file usually ends with a newline: it is not part of it.
-        secret = (os.environ.get(args.secret_env) or "").strip()
-        if not secret:
-            print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
+        secret = _env_secret(args.secret_env)
+        if secret is None:
             return EXIT_USAGE
     if kind is Kind.WEBHOOK:
         # Told now rather than at the first delivery: a literal address in a refused network
@@ -271,9 +279,8 @@ def destinations_rotate(args: argparse.Namespace, settings: Settings) -> int:
 
     secret = None
     if args.secret_env:
-        secret = (os.environ.get(args.secret_env) or "").strip()
-        if not secret:
-            print(f"--secret-env: ${args.secret_env} is not set", file=sys.stderr)
+        secret = _env_secret(args.secret_env)
+        if secret is None:
             return EXIT_USAGE
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
         try:

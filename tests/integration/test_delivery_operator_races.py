@@ -79,7 +79,17 @@ def _arrived(receiver: ScriptedReceiver, count: int, timeout: float = 10.0) -> N
         time.sleep(0.01)
 
 
-def _at_hook(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> None:
+def _sending(rig: Rig, receiver: ScriptedReceiver) -> str:
+    """A delivery to ``receiver`` (registered as "hooks") whose send has arrived there and is
+    still waiting for its answer: its operation id."""
+    rig.webhook(TENANT, "hooks", receiver.url)
+    op_id = rig.succeeded(TENANT)
+    step_until(rig, lambda: len(receiver.received) == 1 or _state(rig, op_id) is D.SENT)
+    _arrived(receiver, 1)
+    return op_id
+
+
+def _at_hook(monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]) -> None:
     """Run ``action`` once, at the moment the worker's SENTs are acknowledged and before its
     sends leave: an operator's change committed exactly then."""
     done: list[bool] = []
@@ -139,10 +149,7 @@ def test_a_send_in_flight_when_its_destination_is_disabled_is_recorded_and_its_r
 ) -> None:
     receiver = ScriptedReceiver(SECRET, [Answer(503, delay=0.5)])
     try:
-        rig.webhook(TENANT, "hooks", receiver.url)
-        op_id = rig.succeeded(TENANT)
-        step_until(rig, lambda: len(receiver.received) == 1 or _state(rig, op_id) is D.SENT)
-        _arrived(receiver, 1)
+        op_id = _sending(rig, receiver)
         rig.destinations.set_enabled(
             TENANT, "hooks", enabled=False, changed_by="ops:ann", reason="maintenance"
         )
@@ -342,10 +349,7 @@ def test_a_redrive_refuses_what_is_not_a_dead_letter_of_the_tenant_and_says_why(
 ) -> None:
     receiver = ScriptedReceiver(SECRET, [Answer(202, delay=1.0)])
     try:
-        rig.webhook(TENANT, "hooks", receiver.url)
-        op_id = rig.succeeded(TENANT)
-        step_until(rig, lambda: len(receiver.received) == 1 or _state(rig, op_id) is D.SENT)
-        _arrived(receiver, 1)
+        op_id = _sending(rig, receiver)
         why = ["--reason", "retry", "--by", "ops:ann"]
         # While the worker is sending it.
         assert _redrive(isolated, op_id, "--destination", "hooks", "--tenant", TENANT, *why) == 1
@@ -412,10 +416,7 @@ def test_a_revocation_while_a_send_is_in_flight_dead_letters_the_next_attempt(
 ) -> None:
     receiver = ScriptedReceiver(SECRET, [Answer(503, delay=0.5)])
     try:
-        rig.webhook(TENANT, "hooks", receiver.url)
-        op_id = rig.succeeded(TENANT)
-        step_until(rig, lambda: len(receiver.received) == 1 or _state(rig, op_id) is D.SENT)
-        _arrived(receiver, 1)
+        op_id = _sending(rig, receiver)
         grant(isolated, TENANT, actor=ACTOR, tool=TOOL, revoke=True)
         project_in_process(isolated)
         step_until(rig, lambda: _state(rig, op_id) is D.DEAD_LETTERED)
