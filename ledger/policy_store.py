@@ -30,6 +30,7 @@ from ledger.domain.policy import (
     evaluate,
 )
 from ledger.pg import retrying
+from ledger.settings import Settings
 
 #: The refusal when the policy tables do not exist: the projector has never run against this
 #: database, so no grant can exist either (default deny), and the caller is told why.
@@ -287,3 +288,169 @@ class PolicyStore:
                 # Insertion order is expiry order (one TTL for all): drop the oldest.
                 del self._cache[next(iter(self._cache))]
             self._cache[subject] = (self._clock() + self._ttl_s, rows)
+
+
+# -- freshness (decision 022) ---------------------------------------------------------------------
+
+# How long a reader acts on the view after it last saw it current, and how often it looks:
+# ``Settings.policy_max_staleness_ms`` and ``policy_freshness_refresh_ms`` (5 s and 0.5 s).
+#: A freshness probe never waits longer than this for Kafka (its caller may be a tool call).
+_PROBE_TIMEOUT_S = 2.0
+
+#: Where the policy topic ends, and where the projector has folded it to, per partition.
+Offsets = tuple[dict[int, int], dict[int, int]]
+
+
+class PolicyViewStaleError(RuntimeError):
+    """The policy view cannot be vouched for: nothing is decided with it (decision 022)."""
+
+
+class PolicyFreshness:
+    """Whether the projected policy is known to hold every change on the policy topic.
+
+    The view is *verified* at an instant when the projector's committed offsets of the policy
+    topic, read after the topic's end offsets were sampled, reach those ends: every change
+    acknowledged before the sample is then in the tables. A reader may act on the view while
+    the last verification is at most ``max_staleness_s`` old. A stopped projector alone costs
+    nothing (nothing unfolded, still verified); an unfolded change does. Kafka or PostgreSQL
+    that cannot be asked never verifies, so the view ages out (fail closed).
+
+    One probe (a watermark query, one indexed SELECT) at most every ``refresh_s`` seconds, on
+    the calling thread; other calls read two floats. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        max_staleness_s: float | None = None,
+        refresh_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        probe: Callable[[], Offsets] | None = None,
+    ) -> None:
+        if max_staleness_s is None:
+            max_staleness_s = settings.policy_max_staleness_ms / 1000
+        if refresh_s is None:
+            refresh_s = settings.policy_freshness_refresh_ms / 1000
+        if max_staleness_s <= 0 or refresh_s <= 0:
+            raise ValueError("max_staleness_s and refresh_s must be > 0")
+        self._settings = settings
+        self._max_s = max_staleness_s
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._probe = probe or self._offsets
+        self._lock = threading.Lock()
+        self._checked_at: float | None = None
+        self._verified_at: float | None = None
+        self._problem = "not checked yet"
+        self._consumer: Any = None
+        self._partitions: list[int] | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def stale_reason(self) -> str | None:
+        """None while the view may be acted on; else why not, in one sentence."""
+        # A caller whose view is still vouched for never queues behind a probe in flight.
+        if self._due() and self._lock.acquire(blocking=self._age(self._clock()) is None):
+            try:
+                if self._due():
+                    self._refresh()
+            finally:
+                self._lock.release()
+        now = self._clock()
+        if self._age(now) is not None:
+            return None
+        seen = (
+            "never seen current"
+            if self._verified_at is None
+            else f"last seen current {now - self._verified_at:.1f}s ago"
+        )
+        return (
+            f"the policy view cannot be vouched for ({seen}, limit {self._max_s:g}s: "
+            f"{self._problem}); a revocation may not be folded yet"
+        )
+
+    def _due(self) -> bool:
+        return self._checked_at is None or self._clock() - self._checked_at >= self._refresh_s
+
+    def _age(self, now: float) -> float | None:
+        if self._verified_at is None or now - self._verified_at > self._max_s:
+            return None
+        return now - self._verified_at
+
+    def _refresh(self) -> None:
+        sampled = self._clock()
+        try:
+            ends, folded = self._probe()
+        except Exception as exc:  # any failure to look is "cannot tell", never "current"
+            self._problem = f"could not be checked: {type(exc).__name__}: {exc}"
+            self._close_clients()
+        else:
+            behind = {
+                p: end - folded.get(p, 0) for p, end in ends.items() if folded.get(p, 0) < end
+            }
+            if ends and not behind:
+                self._verified_at = sampled
+                self._problem = "current"
+            elif not ends:
+                self._problem = f"no partitions found for {self._settings.policy_topic}"
+            else:
+                self._problem = (
+                    f"the projector is {sum(behind.values())} policy records behind the topic"
+                )
+        self._checked_at = self._clock()
+
+    def _offsets(self) -> Offsets:
+        from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
+
+        from ledger.kafka import consumer_config  # noqa: PLC0415
+
+        topic = self._settings.policy_topic
+        if self._consumer is None:
+            # Never subscribes nor commits: it only asks for watermarks.
+            self._consumer = Consumer(
+                consumer_config(
+                    self._settings,
+                    group_id=f"{self._settings.projector_group}.policy-freshness",
+                    client_id="opledger-policy-freshness",
+                )
+            )
+        if self._partitions is None:
+            meta = self._consumer.list_topics(topic, timeout=_PROBE_TIMEOUT_S).topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise PolicyViewStaleError(f"topic {topic} not found")
+            self._partitions = sorted(meta.partitions)
+        ends: dict[int, int] = {}
+        for p in self._partitions:
+            _low, high = self._consumer.get_watermark_offsets(
+                TopicPartition(topic, p), timeout=_PROBE_TIMEOUT_S, cached=False
+            )
+            ends[p] = int(high)
+        # Read after the ends were sampled: offsets folded by then cover every change before.
+        if self._conn is None:
+            self._conn = psycopg.connect(
+                self._settings.dsn,
+                autocommit=True,
+                connect_timeout=int(_PROBE_TIMEOUT_S),
+                application_name="opledger-policy-freshness",
+            )
+        try:
+            rows = self._conn.execute(
+                "SELECT partition, next_offset FROM projector_offsets "
+                "WHERE consumer = %s AND topic = %s",
+                (self._settings.projector_group, topic),
+            ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            rows = []
+        return ends, {int(p): int(o) for p, o in rows}
+
+    def _close_clients(self) -> None:
+        consumer, self._consumer, self._partitions = self._consumer, None, None
+        conn, self._conn = self._conn, None
+        if consumer is not None:
+            consumer.close()
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_clients()

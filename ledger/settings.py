@@ -162,6 +162,14 @@ class Settings:
     #: unspecified, multicast, reserved, and their IPv6 forms; decision 019). Empty: every
     #: such address is refused, at registration for a literal IP and at every new connection.
     delivery_allow_networks: str = ""
+    #: OPLEDGER_POLICY_MAX_STALENESS_MS: the longest the SDK and the workers act on the
+    #: projected policy after they last saw it hold every change on the policy topic; past it
+    #: a revocation may wait unfolded, so dispatches are refused and reconciliations and
+    #: deliveries held until it is current again (decision 022).
+    policy_max_staleness_ms: int = 5000
+    #: OPLEDGER_POLICY_FRESHNESS_REFRESH_MS: how often each of them looks again (one watermark
+    #: request and one indexed SELECT; calls in between read a clock).
+    policy_freshness_refresh_ms: int = 500
     #: OPLEDGER_CONSUMER_NAME: the consumer's name in its inbox and in the key store (letters,
     #: digits, '.', '_', '-'); replicas of one consumer share it, different consumers must not.
     consumer_name: str = "reference"
@@ -239,6 +247,8 @@ class Settings:
             delivery_inline_max_bytes=_int(env, "OPLEDGER_DELIVERY_INLINE_MAX_BYTES", 512 * 1024),
             delivery_results_url=env.get("OPLEDGER_DELIVERY_RESULTS_URL", ""),
             delivery_allow_networks=env.get("OPLEDGER_DELIVERY_ALLOW_NETWORKS", ""),
+            policy_max_staleness_ms=_int(env, "OPLEDGER_POLICY_MAX_STALENESS_MS", 5000),
+            policy_freshness_refresh_ms=_int(env, "OPLEDGER_POLICY_FRESHNESS_REFRESH_MS", 500),
             consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
             consumer_web_port=_int(env, "OPLEDGER_CONSUMER_WEB_PORT", 16068),
             consumer_pg_dsn=env.get("OPLEDGER_CONSUMER_PG_DSN", ""),
@@ -294,11 +304,19 @@ class Settings:
             ("consumer_max_connections", 1),
             ("consumer_max_connections_per_client", 1),
             ("consumer_hold_limit_s", 1),
+            ("policy_max_staleness_ms", 10),
+            ("policy_freshness_refresh_ms", 10),
         ):
             if getattr(self, name) < least:
                 raise SettingsError(
                     f"{_var(name)} must be at least {least}, got {getattr(self, name)}"
                 )
+        if self.policy_freshness_refresh_ms > self.policy_max_staleness_ms:
+            raise SettingsError(
+                f"{_var('policy_freshness_refresh_ms')} ({self.policy_freshness_refresh_ms}) must "
+                f"not exceed {_var('policy_max_staleness_ms')} ({self.policy_max_staleness_ms}): "
+                "the view would go stale between two looks"
+            )
         if self.delivery_results_url and not re.fullmatch(
             r"https?://[^\s/?#]+(/[^\s?#]*)?", self.delivery_results_url
         ):

@@ -414,15 +414,14 @@ def _instant(option: str, text: str | None, now: datetime) -> datetime | None:
 
 def _wait_seconds(args: argparse.Namespace) -> float | None:
     """Seconds to wait for the projector, or None with ``--no-wait``."""
-    if args.no_wait:
-        return None
+    # Checked even with --no-wait: a command line that says two things is refused, not guessed.
     try:
         seconds = float(args.wait)
     except ValueError:
         raise InputError(f"--wait: {args.wait!r} is not a number of seconds") from None
     if not 0 < seconds <= 3600:
         raise InputError(f"--wait: {args.wait} must be more than 0 and at most 3600 seconds")
-    return seconds
+    return None if args.no_wait else seconds
 
 
 def _default_by() -> str:

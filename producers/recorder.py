@@ -78,6 +78,7 @@ from ledger.history import HistoryReader, Snapshot
 from ledger.leases import MAX_REQUEST_BYTES, LeaseStore, process_identity
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
+from ledger.policy_store import PolicyFreshness, PolicyStore
 from ledger.results import ResultStore
 from ledger.secrets import scrub
 from ledger.settings import Settings
@@ -133,15 +134,20 @@ Entropy = Callable[[int], bytes]
 """``n`` random bytes (``ledger.entropy``: the kernel's, a block at a time)."""
 
 
-def _policy_check(pool: Any) -> PolicyCheck | None:
-    """The policy store's evaluation over ``pool``, when this installation has one."""
-    try:
-        from ledger.policy_store import PolicyStore  # type: ignore[import-untyped,unused-ignore]  # noqa: PLC0415  # lands with the policy topic
-    except ImportError:
-        return None
+def _policy_check(pool: Any, settings: Settings) -> tuple[PolicyCheck, PolicyFreshness]:
+    """The policy store's evaluation over ``pool``, behind the freshness gate of decision 022:
+    a view that may lack a revocation on the topic refuses rather than allows (the probe it
+    needs is returned too, for the recorder to close)."""
     store = PolicyStore(pool)
-    check: PolicyCheck = store.evaluate
-    return check
+    freshness = PolicyFreshness(settings)
+
+    def check(request: PolicyRequest) -> PolicyDecision:
+        stale = freshness.stale_reason()
+        if stale is not None:
+            return PolicyDecision(False, stale, None)
+        return store.evaluate(request)
+
+    return check, freshness
 
 
 class RecorderOptions(TypedDict, total=False):
@@ -411,13 +417,15 @@ class RecorderCore:
         if with_results:
             pool = open_pool(settings.dsn, name="opledger-sdk")
             history = HistoryReader(settings, pool)
+            policy, freshness = _policy_check(pool, settings)
             options.update(
                 RecorderOptions(
                     results=ResultStore(pool),
                     leases=LeaseStore(pool, process_identity(owner or "sdk")),
                     history=history,
-                    policy=_policy_check(pool),
-                    owns=[transport, history, pool],  # the producer flushes before the pool closes
+                    policy=policy,
+                    # the producer flushes before the pool closes
+                    owns=[transport, history, freshness, pool],
                 )
             )
         return cls(settings, transport, **options, **tuning)

@@ -68,6 +68,7 @@ from ledger.history import HistoryError, HistoryReader
 from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
+from ledger.policy_store import PolicyFreshness, PolicyViewStaleError
 from ledger.result_fetch import result_url
 from ledger.results import ResultStore, StoredResult
 from ledger.secrets import cut_tokens, scrub
@@ -191,6 +192,7 @@ class DeliveryWorker:
         self._results = results
         self._destinations = destinations
         self._policy = policy
+        self._policy_freshness = PolicyFreshness(settings)
         self._webhooks = webhooks
         #: where webhooks may go: checked by the sender at every new connection
         self._guard = AddressGuard(settings.delivery_allowed_networks)
@@ -265,6 +267,7 @@ class DeliveryWorker:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        self._policy_freshness.close()
 
     def _drain(self, why: str) -> None:
         """Record the outcomes of the sends in flight before their partitions may move."""
@@ -314,7 +317,13 @@ class DeliveryWorker:
             finally:
                 self._finish()
             sent = self._deliver(fresh)
-        except (DatabaseUnavailableError, HistoryError, KafkaException, RecordError) as exc:
+        except (
+            DatabaseUnavailableError,
+            HistoryError,
+            KafkaException,
+            RecordError,
+            PolicyViewStaleError,
+        ) as exc:
             self.health.stalled(f"{type(exc).__name__}: {exc}")
             log.warning("delivery pass failed, trying again next pass: %s", exc)
             self._stopping.wait(1.0)
@@ -473,6 +482,11 @@ class DeliveryWorker:
         if not items:
             return 0
         self._attach(items)
+        stale = self._policy_freshness.stale_reason()
+        if stale is not None:
+            # Nothing is sent or dead-lettered on a view that may lack a revocation: every
+            # delivery waits, as it is, for a view that can be vouched for (decision 022).
+            raise PolicyViewStaleError(stale)
         sends: list[_Item] = []
         refused: list[tuple[_Item, DeliveryTransitioned]] = []
         for item, decision in zip(items, self._decisions(items, now), strict=True):
@@ -516,12 +530,22 @@ class DeliveryWorker:
             (i.record.tenant_id, i.record.destination) for i in sends
         )
         decisions = self._decisions(sends, now)
+        stale = self._policy_freshness.stale_reason()
         going: list[_Item] = []
         stopped: list[tuple[_Item, DeliveryTransitioned]] = []
         for item, decision in zip(sends, decisions, strict=True):
             record = item.record
             destination = current.get((record.tenant_id, record.destination))
             reason: str | None = None
+            if stale is not None:
+                # Held, not refused: the view may as well lack a grant as a revocation.
+                stopped.append(
+                    (
+                        item,
+                        self._event(record, D.PENDING, record.attempts, now, f"not sent: {stale}"),
+                    )
+                )
+                continue
             if destination is None:
                 reason = f"no destination named {record.destination} for tenant {record.tenant_id}"
             elif held(destination):

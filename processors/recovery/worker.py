@@ -62,6 +62,7 @@ from ledger.kafka import consumer_config
 from ledger.leases import MAX_TOKEN, Lease, LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
+from ledger.policy_store import PolicyFreshness, PolicyViewStaleError
 from ledger.results import (
     MAX_RESULT_BYTES,
     PreparedResult,
@@ -172,6 +173,7 @@ class RecoveryWorker:
         self._history = history
         self._results = results
         self._policy = policy
+        self._policy_freshness = PolicyFreshness(settings)
         self._providers = {p.tool_name: p for p in providers}
         self._batch_lookups = {
             name for name, p in self._providers.items() if isinstance(p, BatchLookup)
@@ -250,6 +252,7 @@ class RecoveryWorker:
         self._threads.shutdown(wait=False, cancel_futures=True)
         self._lookup_threads.shutdown(wait=False, cancel_futures=True)
         self._call_threads.shutdown(wait=False, cancel_futures=True)
+        self._policy_freshness.close()
 
     def poll_group(self, timeout: float) -> None:
         """Serve the group protocol (rebalances, heartbeats) for up to ``timeout`` seconds."""
@@ -701,6 +704,11 @@ class RecoveryWorker:
         if not asking:
             return
         try:
+            # A view that may lack a revocation decides nothing: held for a later pass, like an
+            # unreadable one, rather than resumed or attempted again under it (decision 022).
+            stale = self._policy_freshness.stale_reason()
+            if stale is not None:
+                raise PolicyViewStaleError(stale)
             decisions = self._policy([self._policy_request(s) for s in asking])
         except Exception as exc:
             for state in asking:
