@@ -128,6 +128,7 @@ def test_a_destination_disabled_while_deliveries_wait_holds_them_and_resumes_onc
             TENANT, "hooks", enabled=False, changed_by="ops:ann", reason="receiver upgrade"
         )
         opened = rig.succeeded(TENANT)  # its PENDING is opened while the destination is held
+        step_until(rig, lambda: _state(rig, opened) is D.PENDING)
         # Past the retry (300 ms) and the grace after which the projection offers a PENDING (2 s).
         step_for(rig, 2.5)
         assert len(receiver.received) == 1, "sent while disabled"
@@ -197,6 +198,9 @@ def test_a_410_still_dead_letters_what_follows_but_a_replacement_keeps_a_disable
     (listed,) = rig.destinations.list(TENANT)
     assert not listed.enabled and not listed.gone
     op_id = rig.succeeded(TENANT)
+    # Opened first (a slow group join under load took longer than the passes below, once),
+    # then passes that had every chance to send or dead-letter it.
+    step_until(rig, lambda: _state(rig, op_id) is D.PENDING)
     step_for(rig, 2.5)
     assert receiver.received == [] and _state(rig, op_id) is D.PENDING
     # The worker's own disable after a 410 Gone: what follows is dead-lettered, as before.
