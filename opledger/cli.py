@@ -55,20 +55,51 @@ def add_command(
     return parser
 
 
+#: Exit code of a stack command stopped by SIGTERM: what a shell reports for that signal.
+EXIT_TERMINATED = 128 + 15
+
+
+def _stack_command(run: Handler) -> Handler:
+    """A stack command: SIGTERM stops it with a sentence saying what is left, and a file
+    under OPLEDGER_HOME that cannot be written (full disk, read-only, not a directory) is one
+    sentence saying how to fix it, not a traceback."""
+
+    def handler(args: argparse.Namespace, settings: Settings) -> int:
+        try:
+            with stack.sigterm_interrupts(args.action):
+                return run(args, settings)
+        except stack.StackInterruptedError as exc:
+            print(f"opledger: {exc}", file=sys.stderr)
+            return EXIT_TERMINATED
+        except OSError as exc:
+            # A flush on a full disk names no file; a broken pipe is not about the home.
+            if isinstance(exc, BrokenPipeError) or (
+                exc.filename is None and exc.errno not in stack.STORAGE_ERRNOS
+            ):
+                raise
+            raise stack.StackError(stack.describe_os_error(exc, settings.home)) from None
+
+    return handler
+
+
+@_stack_command
 def _stack_up(args: argparse.Namespace, settings: Settings) -> int:
     stack.up(settings, workers=not args.no_workers)
     return 0
 
 
+@_stack_command
 def _stack_down(args: argparse.Namespace, settings: Settings) -> int:
     stack.down(settings)
     return 0
 
 
+@_stack_command
 def _stack_status(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if stack.status(settings) else EXIT_UNHEALTHY
 
 
+@_stack_command
 def _stack_restart(args: argparse.Namespace, settings: Settings) -> int:
     if args.service in _worker_names():
         stack.restart_worker(settings, args.service, kill=args.kill)
@@ -81,6 +112,7 @@ def _worker_names() -> tuple[str, ...]:
     return tuple(spec.name for spec in supervisor.WORKERS)
 
 
+@_stack_command
 def _stack_logs(args: argparse.Namespace, settings: Settings) -> int:
     stack.logs(settings, lines=args.lines)
     return 0

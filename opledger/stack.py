@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,7 +37,9 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger.display import displayable
 from ledger.kafka import admin_config, producer_config
+from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
 from opledger import db, supervisor
@@ -57,6 +61,30 @@ WORKERS_READY_TIMEOUT = 60.0
 
 class StackError(RuntimeError):
     """The stack cannot be brought up or down; the message says how to fix it."""
+
+
+class StackInterruptedError(StackError):
+    """A stack command was stopped by SIGTERM; what it had started keeps running."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts(what: str) -> Iterator[None]:
+    """SIGTERM raises :class:`StackInterruptedError` inside: the command stops where it is, the
+    child it waits for (mvn, initdb, pg_ctl) is killed with it by ``subprocess.run``, and the
+    caller says what was left. What it started is tracked (pid files, or found in /proc by
+    its working directory), so the next ``up`` finishes the job and ``down`` stops it."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise StackInterruptedError(
+            f"stack {what} stopped by SIGTERM; what it started keeps running: "
+            "`opledger stack up` finishes the start, `opledger stack down` stops it"
+        )
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,32 +205,119 @@ def _port_open(port: int) -> bool:
         return bool(sock.getsockname() != sock.getpeername())
 
 
+#: A log line longer than this is shown cut: scrubbing costs more than linearly in its length.
+TAIL_LINE_MAX = 2000
+
+
 def _tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log, safe to print: a log file can hold anything (a
+    process's stray output, a line written by hand), so secrets are scrubbed and characters a
+    terminal would act on (escape sequences, carriage returns) are shown escaped."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        with path.open("rb") as log:
+            # Only the end is read: a server's log grows to gigabytes.
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(0, size - (lines + 1) * 4 * TAIL_LINE_MAX))
+            text = log.read().decode(errors="replace")
     except OSError:
         return f"({path} not readable)"
-    return "\n".join(text[-lines:])
+    # Split on newlines only: a carriage return must not start a line of its own (a forged
+    # line); it is shown escaped instead.
+    shown = text.split("\n")
+    if shown and shown[-1] == "":
+        shown.pop()
+    if lines <= 0:
+        return ""
+    return "\n".join(displayable(scrub(_cut(line))) for line in shown[-lines:])
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= TAIL_LINE_MAX else line[:TAIL_LINE_MAX] + " [cut]"
+
+
+def _lock_path(settings: Settings) -> Path:
+    return settings.home / ".stack.lock"
 
 
 @contextlib.contextmanager
-def _locked(settings: Settings) -> Iterator[None]:
-    # Several pytest sessions and make targets call `up` concurrently; one at a time.
+def _locked(settings: Settings, what: str, echo: Echo = print) -> Iterator[None]:
+    """One stack command at a time per home: several pytest sessions and make targets call
+    `up` at once, and `down` or `restart` during an `up` would stop what it is starting. The
+    others wait, told which process they wait for."""
     _prepare_home(settings)
-    with (settings.home / ".stack.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        fd = os.open(_lock_path(settings), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise StackError(_home_error(settings, exc)) from None
+    with os.fdopen(fd, "r+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            echo(
+                f"waiting for `opledger stack` ({_lock_holder(lock.fileno())}) to finish with "
+                f"{settings.home} before `stack {what}`"
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _lock_holder(fd: int) -> str:
+    """``pid N: its command line`` of the process holding the flock on ``fd``, from the
+    kernel's own table (a file the holder writes would be read before it is written)."""
+    found = os.fstat(fd)
+    wanted = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
+    try:
+        table = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return "another process"
+    for line in table:
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:00:5678 0 EOF"; a waiter's line has "->" second.
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted:
+            argv = supervisor.argv_of(int(fields[4])) or []
+            command = b" ".join(argv).decode(errors="replace")[:200]
+            return displayable(f"pid {fields[4]}: {command}" if command else f"pid {fields[4]}")
+    return "another process"
+
+
 def _prepare_home(settings: Settings) -> None:
-    for directory in (settings.home, settings.home / "logs", _run_dir(settings)):
-        directory.mkdir(parents=True, exist_ok=True)
-    if _is_root():
-        # The unprivileged PostgreSQL user must traverse home to reach its own directories.
-        settings.home.chmod(0o755)
+    try:
+        for directory in (settings.home, settings.home / "logs", _run_dir(settings)):
+            directory.mkdir(parents=True, exist_ok=True)
+        if _is_root():
+            # The unprivileged PostgreSQL user must traverse home to reach its own directories.
+            settings.home.chmod(0o755)
+    except OSError as exc:
+        raise StackError(_home_error(settings, exc)) from None
+
+
+def _home_error(settings: Settings, exc: OSError) -> str:
+    return describe_os_error(exc, settings.home)
+
+
+#: Errors that say the disk holding OPLEDGER_HOME cannot take what the stack writes.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def describe_os_error(exc: OSError, home: Path) -> str:
+    """One sentence for a file operation under OPLEDGER_HOME that failed: what, and the fix."""
+    where = exc.filename or home
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space on the disk holding {home} or point OPLEDGER_HOME at another disk"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = (
+            f"make {home} writable by uid {os.geteuid()} or point OPLEDGER_HOME at a "
+            "directory that is"
+        )
+    elif exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.ELOOP):
+        fix = f"OPLEDGER_HOME ({home}) must be a directory path with no file or symlink in the way"
+    else:
+        fix = f"check {home} and point OPLEDGER_HOME elsewhere if it cannot be used"
+    return f"cannot write {where} ({reason}): {fix}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,14 +415,10 @@ def _format_kafka(settings: Settings, java: str, libs: Path, config: Path) -> No
 
 
 def kafka_pid(settings: Settings) -> int | None:
-    """Pid of the broker this stack started, if it is still alive."""
-    try:
-        pid = int(_kafka_pid_file(settings).read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        return None
-    # Guards against a recycled pid belonging to some other process.
-    return pid if b"kafka.Kafka" in cmdline else None
+    """Pid of the broker this stack started, if it is still alive (the broker runs in home:
+    a recycled pid or another home's broker is not ours)."""
+    hint = supervisor.read_pid(_kafka_pid_file(settings))
+    return supervisor.find_owned(b"kafka.Kafka", settings.home, hint)
 
 
 def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
@@ -324,6 +435,15 @@ def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
 
 
 def _start_kafka(settings: Settings, echo: Echo) -> None:
+    starting = kafka_pid(settings)
+    if starting is not None:
+        # Ours but not healthy yet: an `up` stopped mid-start left it starting. A second
+        # broker on the same data would fight it for the ports and the log dirs.
+        _kafka_pid_file(settings).write_text(f"{starting}\n")
+        echo(f"kafka: waiting for the broker already starting (pid {starting})")
+        _wait_kafka(settings, starting)
+        _wait_producer_ids(settings)
+        return
     java = find_java()
     libs = ensure_kafka_jars(settings, echo)
     for port in (settings.kafka_port, settings.kafka_controller_port):
@@ -360,23 +480,26 @@ def _start_kafka(settings: Settings, echo: Echo) -> None:
         )
     _kafka_pid_file(settings).write_text(f"{process.pid}\n")
     echo(f"kafka: starting (pid {process.pid}) on 127.0.0.1:{settings.kafka_port}")
-    _wait_kafka(settings, process)
+    _wait_kafka(settings, process.pid, process)
     _wait_producer_ids(settings)
 
 
-def _wait_kafka(settings: Settings, process: subprocess.Popen[bytes]) -> None:
+def _wait_kafka(
+    settings: Settings, pid: int, process: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + KAFKA_START_TIMEOUT
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        exited = process.poll() if process is not None else None
+        if exited is not None or not _alive(pid):
             raise StackError(
-                f"kafka exited with code {process.returncode} during start-up; last log lines:\n"
-                + _kafka_log_tails(settings)
+                f"kafka exited (code {exited if exited is not None else '?'}) during start-up; "
+                "last log lines:\n" + _kafka_log_tails(settings)
             )
         if kafka_healthy(settings, timeout=2.0):
             return
         time.sleep(0.5)
     raise StackError(
-        f"kafka not healthy after {KAFKA_START_TIMEOUT:.0f}s (pid {process.pid}); "
+        f"kafka not healthy after {KAFKA_START_TIMEOUT:.0f}s (pid {pid}); "
         "last log lines:\n" + _kafka_log_tails(settings)
     )
 
@@ -425,14 +548,16 @@ def _stop_kafka(settings: Settings, echo: Echo) -> None:
         echo("kafka: not running")
         _kafka_pid_file(settings).unlink(missing_ok=True)
         return
-    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     # SIGTERM triggers a controlled shutdown that flushes the logs; give it a while.
     deadline = time.monotonic() + KAFKA_STOP_TIMEOUT
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
     if _alive(pid):
         echo(f"kafka: no exit {KAFKA_STOP_TIMEOUT:.0f}s after SIGTERM, sending SIGKILL")
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         while _alive(pid):
             time.sleep(0.1)
     _wait_ports_closed(settings)
@@ -572,20 +697,76 @@ def _init_pg(settings: Settings, bindir: Path) -> None:
             "initdb",
             cwd=settings.home,
         )
-        with (data / "postgresql.conf").open("a") as conf:
-            conf.write("\ninclude_if_exists = 'opledger.conf'\n")
-    opledger_conf = data / "opledger.conf"
-    opledger_conf.write_text(_pg_config_text(settings))
-    _own(opledger_conf)
+        conf = os.open(data / "postgresql.conf", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        with os.fdopen(conf, "a") as out:
+            out.write("\ninclude_if_exists = 'opledger.conf'\n")
+    _write_pg_owned(data / "opledger.conf", _pg_config_text(settings))
+
+
+def _write_pg_owned(path: Path, text: str) -> None:
+    """Replace ``path`` in the data directory with ``text``, owned by PG_USER.
+
+    The data directory belongs to PG_USER, so as root anything in it may have been replaced by
+    a symlink (say, to /etc/passwd): writing or chowning through it would hand that file to
+    PG_USER. A new file (O_EXCL never follows a link) is renamed over the name instead, which
+    replaces a link rather than following it.
+    """
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as out:
+            if _is_root():
+                entry = pwd.getpwnam(PG_USER)
+                os.fchown(out.fileno(), entry.pw_uid, entry.pw_gid)
+            out.write(text)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _postmaster_file(settings: Settings) -> Path:
+    return _pg_data(settings) / "postmaster.pid"
+
+
+def _is_postmaster(pid: int, data: Path) -> bool | None:
+    """Whether ``pid`` is a PostgreSQL server of ``data``: it moves into its data directory
+    before it writes postmaster.pid. None when this user may not inspect the process."""
+    argv = supervisor.argv_of(pid)
+    if argv is None:
+        return False
+    inside = supervisor.runs_in(pid, data)
+    if inside is None:
+        return None
+    return inside and Path(argv[0].decode(errors="replace")).name == "postgres"
 
 
 def postgres_pid(settings: Settings) -> int | None:
-    """Pid of the postmaster serving our data directory, if it is alive."""
-    try:
-        pid = int((_pg_data(settings) / "postmaster.pid").read_text().split("\n", 1)[0])
-    except (OSError, ValueError):
+    """Pid of the postmaster serving our data directory, if it is alive (postmaster.pid can
+    outlive its server, and after a crash or a reboot name some other process)."""
+    pid = supervisor.read_pid(_postmaster_file(settings))
+    if pid is None or _is_postmaster(pid, _pg_data(settings)) is False:
         return None
-    return pid if _alive(pid) else None
+    return pid
+
+
+def _clear_stale_postmaster_pid(settings: Settings, echo: Echo) -> None:
+    """Remove a postmaster.pid naming a live process that is not our server, which PostgreSQL
+    would take for another postmaster and refuse to start beside (it handles a dead pid)."""
+    path = _postmaster_file(settings)
+    pid = supervisor.read_pid(path)
+    if pid is None or not _alive(pid):
+        return
+    if _is_postmaster(pid, _pg_data(settings)) is None:
+        raise StackError(
+            f"{path} names pid {pid}, which this user may not inspect: stop that process if it "
+            f"is PostgreSQL serving {_pg_data(settings)}, else remove {path}"
+        )
+    if _port_open(settings.pg_port):
+        return  # the port check that follows names the problem
+    path.unlink(missing_ok=True)
+    echo(f"postgres: removed a stale {path.name} naming pid {pid}, now another process")
 
 
 def _admin_dsn(settings: Settings) -> str:
@@ -608,6 +789,7 @@ def _start_postgres(settings: Settings, echo: Echo) -> None:
     _prepare_pg_paths(settings)
     _init_pg(settings, bindir)
     if postgres_pid(settings) is None:
+        _clear_stale_postmaster_pid(settings, echo)
         if _port_open(settings.pg_port):
             raise StackError(
                 f"127.0.0.1:{settings.pg_port} is in use by a process opledger did not start: "
@@ -748,7 +930,9 @@ def start_supervisor(
             env=None if env is None else dict(env),
         )
     deadline = time.monotonic() + SUPERVISOR_START_TIMEOUT
-    while supervisor.supervisor_pid(settings) != process.pid:
+    # Its pid file, written once it holds the home's supervisor lock: found in /proc alone,
+    # it may still be about to lose that lock to another supervisor and exit.
+    while supervisor.read_pid(supervisor.pid_file(settings)) != process.pid:
         if process.poll() is not None or time.monotonic() > deadline:
             raise StackError(
                 f"the worker supervisor did not start (exit {process.poll()}); last log lines:\n"
@@ -803,7 +987,8 @@ def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
     if pid is None:
         echo("supervisor: not running")
         return
-    os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + SUPERVISOR_STOP_TIMEOUT
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.1)
@@ -821,6 +1006,33 @@ def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
     echo(f"supervisor: stopped (pid {pid}) with its workers")
 
 
+def worker_ports(settings: Settings) -> list[tuple[int, str]]:
+    """The loopback ports the workers listen on, with the variable that moves each."""
+    ports = [
+        (settings.projector_web_port, "OPLEDGER_PROJECTOR_WEB_PORT"),
+        (settings.recovery_web_port, "OPLEDGER_RECOVERY_WEB_PORT"),
+        (settings.delivery_web_port, "OPLEDGER_DELIVERY_WEB_PORT"),
+        (settings.consumer_web_port, "OPLEDGER_CONSUMER_WEB_PORT"),
+    ]
+    provider = urllib.parse.urlsplit(settings.fake_provider_url)
+    if provider.hostname in ("127.0.0.1", "localhost") and provider.port:
+        ports.append((provider.port, "OPLEDGER_FAKE_PROVIDER_URL"))
+    return ports
+
+
+def _check_worker_ports(settings: Settings) -> None:
+    """Refuse to start workers whose ports another process listens on: they would only
+    crash-loop, and `up` would take that process's /healthz (another stack's projector,
+    say) for theirs."""
+    for port, variable in worker_ports(settings):
+        if _port_open(port):
+            raise StackError(
+                f"127.0.0.1:{port} is in use by a process this stack's supervisor did not "
+                f"start (`ss -ltnp 'sport = :{port}'` names it): stop it or choose another "
+                f"port with {variable}"
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # commands
 
@@ -828,7 +1040,7 @@ def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
 def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
     """Start whatever is not running, wait until healthy, create the topics; then, unless
     ``workers`` is False, the supervisor of the workers (waiting until they serve)."""
-    with _locked(settings):
+    with _locked(settings, "up", echo):
         kafka_ok = kafka_pid(settings) is not None and kafka_healthy(settings)
         pg_ok = postgres_pid(settings) is not None and postgres_version(settings) is not None
         supervised = supervisor.supervisor_pid(settings) is not None
@@ -862,6 +1074,7 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             supervised = False
         # Last, on healthy servers: a worker started earlier would only crash and back off.
         if workers and not supervised:
+            _check_worker_ports(settings)
             start_supervisor(settings, echo)
             wait_workers_ready(settings, echo)
 
@@ -870,18 +1083,20 @@ def _workers_changed(settings: Settings) -> str:
     """How the running supervisor's workers differ from WORKERS ("" when they do not, or when
     it has not written its status yet)."""
     status = supervisor.read_status(settings)
-    if status.get("supervisor", {}).get("pid") != supervisor.supervisor_pid(settings):
+    running = supervisor.supervisor_pid(settings)
+    if running is None or status.get("supervisor", {}).get("pid") != running:
         return ""  # a status written by an earlier supervisor, or none yet: nothing to compare
-    running = {
-        name: tuple(worker.get("argv_suffix", ()))
+    supervised = {
+        name: tuple(map(str, suffix))
+        if isinstance(suffix := worker.get("argv_suffix"), list)
+        else ()
         for name, worker in status.get("workers", {}).items()
-        if isinstance(worker, dict)
     }
     wanted = {spec.name: spec.args for spec in supervisor.WORKERS}
-    differences = [f"+{name}" for name in wanted if name not in running]
-    differences += [f"-{name}" for name in running if name not in wanted]
+    differences = [f"+{name}" for name in wanted if name not in supervised]
+    differences += [f"-{name}" for name in supervised if name not in wanted]
     differences += [
-        f"~{name}" for name in wanted if name in running and running[name] != wanted[name]
+        f"~{name}" for name in wanted if name in supervised and supervised[name] != wanted[name]
     ]
     return ", ".join(differences)
 
@@ -890,14 +1105,15 @@ def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool 
     """Stop and start one server (``kafka`` or ``postgres``) while the workers keep running:
     what an operator does for an upgrade, and what the chaos tests do to prove the workers
     ride it out. ``kill`` stops the broker with SIGKILL instead of a controlled shutdown."""
-    with _locked(settings):
+    with _locked(settings, f"restart {service}", echo):
         if service == "postgres":
             _stop_postgres(settings, echo)
             _start_postgres(settings, echo)
         elif service == "kafka":
             pid = kafka_pid(settings)
             if kill and pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
                 while _alive(pid):
                     time.sleep(0.05)
                 _wait_ports_closed(settings)
@@ -919,24 +1135,25 @@ def restart_worker(
     names = [spec.name for spec in supervisor.WORKERS]
     if name not in names:
         raise StackError(f"no worker named {name!r}: the workers are {', '.join(names)}")
-    if supervisor.supervisor_pid(settings) is None:
-        raise StackError("the supervisor is not running: start it with `opledger stack up`")
-    worker = supervisor.read_status(settings).get("workers", {}).get(name, {})
-    pid = worker.get("pid") if isinstance(worker, dict) else None
-    try:
-        # The pid must still be that worker's, not a recycled one.
-        ours = isinstance(pid, int) and b"opledger.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        ours = False
-    if not ours or not isinstance(pid, int):
-        raise StackError(
-            f"{name} is not running now (the supervisor is restarting it?): "
-            "see `opledger stack status`"
-        )
-    os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
-    echo(f"{name}: {'killed' if kill else 'stopped'} (pid {pid}); the supervisor restarts it")
-    if wait:
-        _wait_restarted(settings, name, pid, echo)
+    # Under the stack lock: two restarts of one worker would both stop the same process (one
+    # restart for two requests), and a `down` meanwhile would leave this one waiting in vain.
+    with _locked(settings, f"restart {name}", echo):
+        parent = supervisor.supervisor_pid(settings)
+        if parent is None:
+            raise StackError("the supervisor is not running: start it with `opledger stack up`")
+        # Only a child of our supervisor: run/supervisor.json may name a recycled pid or, if
+        # copied from another home, another stack's worker.
+        pid = supervisor.worker_pid(settings, name, parent)
+        if pid is None:
+            raise StackError(
+                f"{name} is not running now (the supervisor is restarting it?): "
+                "see `opledger stack status`"
+            )
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile: restarted anyway
+            os.kill(pid, signal.SIGKILL if kill else signal.SIGTERM)
+        echo(f"{name}: {'killed' if kill else 'stopped'} (pid {pid}); the supervisor restarts it")
+        if wait:
+            _wait_restarted(settings, name, pid, echo)
     return pid
 
 
@@ -964,7 +1181,7 @@ def _wait_restarted(settings: Settings, name: str, old_pid: int, echo: Echo) -> 
 def down(settings: Settings, echo: Echo = print) -> None:
     """Stop the supervisor and its workers, then the broker and the database server (data
     stays for the next ``up``)."""
-    with _locked(settings):
+    with _locked(settings, "down", echo):
         # Workers first: stopped after the servers, they would crash and be restarted in vain.
         stop_supervisor(settings, echo)
         _stop_kafka(settings, echo)
@@ -994,6 +1211,7 @@ class Component:
 def components(settings: Settings) -> list[Component]:
     """The current state of the broker and the database server."""
     pg_version = postgres_version(settings)
+    pg_pid = postgres_pid(settings)
     broker_pid = kafka_pid(settings)
     return [
         Component(
@@ -1006,11 +1224,12 @@ def components(settings: Settings) -> list[Component]:
         ),
         Component(
             "postgres",
-            postgres_pid(settings),
+            pg_pid,
             f"127.0.0.1:{settings.pg_port}",
             _pg_data(settings),
             pg_version,
-            pg_version is not None,
+            # Someone else's server on our port answers too: healthy only if it is ours.
+            pg_pid is not None and pg_version is not None,
         ),
     ]
 

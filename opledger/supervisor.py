@@ -154,8 +154,13 @@ def worker_log(settings: Settings, name: str) -> Path:
 def write_atomically(path: Path, text: str) -> None:
     """Replace ``path`` by rename, so a reader sees the old or the new content, never a mix."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    partial.replace(path)
+    try:
+        partial.write_text(text)
+        partial.replace(path)
+    except OSError:
+        # A full disk fails the write: leave no partial file to fill it further.
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _alive(pid: int) -> bool:
@@ -167,24 +172,103 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def supervisor_pid(settings: Settings) -> int | None:
-    """Pid of the supervisor serving ``settings.home``, if it is alive."""
+def read_pid(path: Path) -> int | None:
+    """The number on the first line of a pid file; None when missing or not a pid."""
     try:
-        pid = int(pid_file(settings).read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        pid = int(path.read_text(errors="replace").split("\n", 1)[0].strip())
     except (OSError, ValueError):
         return None
-    # Guards against a pid left by a killed supervisor and since recycled by another process.
-    return pid if b"opledger.supervisor" in cmdline and _alive(pid) else None
+    return pid if pid > 0 else None
+
+
+def argv_of(pid: int) -> list[bytes] | None:
+    """The command line of a live (non-zombie) process; None when it is gone or hidden."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.rstrip(b"\0").split(b"\0") if raw and _alive(pid) else None
+
+
+def runs_in(pid: int, directory: Path) -> bool | None:
+    """Whether the process works in ``directory``; None when it may not be inspected."""
+    try:
+        cwd = os.stat(f"/proc/{pid}/cwd")
+        here = os.stat(directory)
+    except PermissionError:
+        return None
+    except OSError:
+        return False
+    return (cwd.st_dev, cwd.st_ino) == (here.st_dev, here.st_ino)
+
+
+def owned(pid: int, marker: bytes, directory: Path) -> bool:
+    """Whether ``pid`` is a process of ours: ``marker`` in its command line and ``directory``
+    as its working directory.
+
+    A pid file alone proves nothing: after a crash or a reboot its number may belong to any
+    process, and a home copied with its run/ (or a stale file) can name another home's live
+    supervisor or broker, which carry the same command line. The working directory tells
+    them apart: the supervisor moves into its home, the broker is started in it.
+    """
+    argv = argv_of(pid)
+    return argv is not None and marker in b" ".join(argv) and runs_in(pid, directory) is True
+
+
+def find_owned(marker: bytes, directory: Path, hint: int | None = None) -> int | None:
+    """The pid of our process marked ``marker`` in ``directory``: ``hint`` (a pid file's)
+    when it is that process, else the first found in /proc (a start interrupted between
+    spawning the process and writing its pid file leaves it running, untracked)."""
+    if hint is not None and owned(hint, marker, directory):
+        return hint
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and owned(int(entry.name), marker, directory):
+            return int(entry.name)
+    return None
+
+
+def supervisor_pid(settings: Settings) -> int | None:
+    """Pid of the supervisor serving ``settings.home``, if it is alive."""
+    return find_owned(b"opledger.supervisor", settings.home, read_pid(pid_file(settings)))
+
+
+def worker_pid(settings: Settings, name: str, parent: int) -> int | None:
+    """The pid ``run/supervisor.json`` gives for worker ``name`` if that process is one the
+    supervisor ``parent`` started (a status file may be stale, copied or hand-edited)."""
+    worker = read_status(settings).get("workers", {}).get(name, {})
+    pid = worker.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    argv = argv_of(pid)
+    if argv is None or b"opledger.cli" not in argv:
+        return None
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pid if ppid == parent else None
 
 
 def read_status(settings: Settings) -> dict[str, Any]:
-    """The last status the supervisor wrote; empty when there is none (or it is unreadable)."""
+    """The last status the supervisor wrote, in its shape; empty when there is none or it is
+    unreadable, and without the parts that are not what a supervisor writes (a truncated or
+    hand-edited file must not crash ``status``, ``up`` or ``restart``)."""
     try:
         data = json.loads(status_file(settings).read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    own = data.get("supervisor")
+    workers = data.get("workers")
+    return {
+        "supervisor": own if isinstance(own, dict) else {},
+        "workers": {
+            str(name): worker
+            for name, worker in (workers.items() if isinstance(workers, dict) else ())
+            if isinstance(worker, dict)
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,11 +393,15 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._started_at = _now_iso()
         self._pre_exec = _die_with_parent()
+        self._status_identity: tuple[int, int, int] | None = None
 
     def run(self) -> int:
         """Supervise until asked to stop; 0 then, EXIT_ALREADY_RUNNING if another one runs."""
         run_dir(self._settings).mkdir(parents=True, exist_ok=True)
         (self._settings.home / "logs").mkdir(parents=True, exist_ok=True)
+        # Its working directory is how `stack` recognises it (supervisor_pid): a recycled pid
+        # or another home's supervisor never works in this home.
+        os.chdir(self._settings.home)
         # Held for the supervisor's life and released by the kernel however it dies: one
         # supervisor per home, even if two are started at once. Not inherited by the workers
         # (Python opens it close-on-exec), so a surviving worker cannot hold it.
@@ -367,7 +455,7 @@ class Supervisor:
                 if now >= worker.next_start_monotonic and self._stop_signal is None:
                     self._start(worker)
                     changed = True
-            if changed:
+            if changed or self._status_replaced():
                 self._write_status()
         except Exception:
             log.exception("supervisor step failed; retrying")
@@ -460,6 +548,21 @@ class Supervisor:
         except OSError:
             log.exception("could not write the final status")
 
+    def _status_replaced(self) -> bool:
+        # Written only on changes, so a file truncated, edited or removed by someone else
+        # would otherwise misreport every worker until one exits.
+        try:
+            found = os.stat(status_file(self._settings))
+        except OSError:
+            found = None
+        identity = None if found is None else (found.st_ino, found.st_mtime_ns, found.st_size)
+        if identity == self._status_identity:
+            return False
+        log.warning(
+            "%s was changed or removed by someone else: rewriting it", status_file(self._settings)
+        )
+        return True
+
     def _write_status(self, stopping: bool = False) -> None:
         status = {
             "supervisor": {
@@ -469,7 +572,10 @@ class Supervisor:
             },
             "workers": {w.spec.name: w.as_json(stopping) for w in self._workers},
         }
-        write_atomically(status_file(self._settings), json.dumps(status, indent=2) + "\n")
+        path = status_file(self._settings)
+        write_atomically(path, json.dumps(status, indent=2) + "\n")
+        found = os.stat(path)
+        self._status_identity = (found.st_ino, found.st_mtime_ns, found.st_size)
 
 
 # ---------------------------------------------------------------------------------------------
