@@ -490,7 +490,7 @@ def _wait_kafka(
     deadline = time.monotonic() + KAFKA_START_TIMEOUT
     while time.monotonic() < deadline:
         exited = process.poll() if process is not None else None
-        if exited is not None or not _alive(pid):
+        if exited is not None or not supervisor.alive(pid):
             raise StackError(
                 f"kafka exited (code {exited if exited is not None else '?'}) during start-up; "
                 "last log lines:\n" + _kafka_log_tails(settings)
@@ -552,13 +552,13 @@ def _stop_kafka(settings: Settings, echo: Echo) -> None:
         os.kill(pid, signal.SIGTERM)
     # SIGTERM triggers a controlled shutdown that flushes the logs; give it a while.
     deadline = time.monotonic() + KAFKA_STOP_TIMEOUT
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and supervisor.alive(pid):
         time.sleep(0.2)
-    if _alive(pid):
+    if supervisor.alive(pid):
         echo(f"kafka: no exit {KAFKA_STOP_TIMEOUT:.0f}s after SIGTERM, sending SIGKILL")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
+        while supervisor.alive(pid):
             time.sleep(0.1)
     _wait_ports_closed(settings)
     _kafka_pid_file(settings).unlink(missing_ok=True)
@@ -573,15 +573,6 @@ def _wait_ports_closed(settings: Settings, timeout: float = 10.0) -> None:
     ports = (settings.kafka_port, settings.kafka_controller_port)
     while any(_port_open(port) for port in ports) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        # A zombie still answers kill(0); /proc status tells them apart.
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -756,7 +747,7 @@ def _clear_stale_postmaster_pid(settings: Settings, echo: Echo) -> None:
     would take for another postmaster and refuse to start beside (it handles a dead pid)."""
     path = _postmaster_file(settings)
     pid = supervisor.read_pid(path)
-    if pid is None or not _alive(pid):
+    if pid is None or not supervisor.alive(pid):
         return
     if _is_postmaster(pid, _pg_data(settings)) is None:
         raise StackError(
@@ -990,9 +981,9 @@ def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + SUPERVISOR_STOP_TIMEOUT
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and supervisor.alive(pid):
         time.sleep(0.1)
-    if _alive(pid):
+    if supervisor.alive(pid):
         echo(f"supervisor: no exit {SUPERVISOR_STOP_TIMEOUT:.0f}s after SIGTERM, sending SIGKILL")
         # Its workers die with it (PR_SET_PDEATHSIG); the process group catches any left over,
         # but only when it is the supervisor's own group (started by `up`), never a shell's.
@@ -1001,7 +992,7 @@ def stop_supervisor(settings: Settings, echo: Echo = print) -> None:
                 os.killpg(pid, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
+        while supervisor.alive(pid):
             time.sleep(0.1)
     echo(f"supervisor: stopped (pid {pid}) with its workers")
 
@@ -1114,7 +1105,7 @@ def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool 
             if kill and pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                while _alive(pid):
+                while supervisor.alive(pid):
                     time.sleep(0.05)
                 _wait_ports_closed(settings)
                 _kafka_pid_file(settings).unlink(missing_ok=True)

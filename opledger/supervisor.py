@@ -163,9 +163,9 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it still answers kill(0), /proc tells)."""
     try:
-        # A zombie still answers kill(0); /proc status tells them apart.
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
@@ -187,7 +187,7 @@ def argv_of(pid: int) -> list[bytes] | None:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
-    return raw.rstrip(b"\0").split(b"\0") if raw and _alive(pid) else None
+    return raw.rstrip(b"\0").split(b"\0") if raw and alive(pid) else None
 
 
 def runs_in(pid: int, directory: Path) -> bool | None:

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -20,6 +21,8 @@ from ledger.domain.events import (
     ExecutionTransitioned,
     OperationEvent,
     OwnershipTaken,
+    PolicyChange,
+    PolicyChanged,
     ReconciliationDecided,
     Transition,
 )
@@ -32,7 +35,7 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
-from ledger.domain.ids import ULID_PATTERN
+from ledger.domain.ids import ULID_PATTERN, event_id
 from ledger.kafka import partition_for
 from ledger.metrics import Metrics
 from ledger.settings import Settings
@@ -433,6 +436,36 @@ def grant(
     p.produce(settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change))
     assert p.flush(30) == 0
     return change.event_id
+
+
+_policy_sequence = iter(range(1, 1_000_000_000))
+
+
+def policy_change(
+    change: PolicyChange = PolicyChange.GRANT,
+    *,
+    actor_id: str = "test:ops",
+    tenant_id: str = "acme",
+    principal: str = "agent-7",
+    tool_name: str = "send_email",
+    **fields: Any,
+) -> PolicyChanged:
+    """A policy event as the CLI writes it, with an event id unique in this process; ``fields``
+    set the rest (expiry, destinations, a credential...)."""
+    now = datetime.now(UTC)
+    values: dict[str, Any] = {
+        "event_id": event_id(
+            int(now.timestamp() * 1000), next(_policy_sequence).to_bytes(10, "big")
+        ),
+        "tenant_id": tenant_id,
+        "actor_id": actor_id,
+        "occurred_at": now,
+        "change": change,
+        "principal": principal,
+        "tool_name": tool_name,
+    }
+    values.update(fields)  # any of them, the event id and time included
+    return PolicyChanged(**values)
 
 
 #: An operation id anywhere in a label value ("op_" + a ULID), or a webhook secret's prefix.

@@ -30,7 +30,6 @@ from confluent_kafka.admin import (
 
 from ledger.codec import default_codec
 from ledger.domain.events import PolicyChanged
-from ledger.domain.ids import event_id
 from ledger.domain.policy import PolicyChange, PolicyRequest, Purpose, grant_key
 from ledger.pg import open_pool
 from ledger.policy_store import NO_PROJECTION, PolicyStore, read_matching
@@ -42,6 +41,7 @@ from tests.support import (
     env_for,
     free_port,
     independent_fold,
+    policy_change,
     produce,
     project_in_process,
 )
@@ -50,22 +50,6 @@ TENANT = "acme"
 OTHER = "globex"
 ACTOR = "agent-7"
 TOOL = "send_email"
-_sequence = iter(range(1, 1_000_000))
-
-
-def _change(change: PolicyChange = PolicyChange.GRANT, **fields: Any) -> PolicyChanged:
-    now = datetime.now(UTC)
-    values: dict[str, Any] = {
-        "event_id": event_id(int(now.timestamp() * 1000), next(_sequence).to_bytes(10, "big")),
-        "tenant_id": TENANT,
-        "actor_id": "test:ops",
-        "occurred_at": now,
-        "change": change,
-        "principal": ACTOR,
-        "tool_name": TOOL,
-    }
-    values.update(fields)
-    return PolicyChanged(**values)
 
 
 def _write(settings: Settings, *changes: PolicyChanged, key: bytes | None = None) -> None:
@@ -125,7 +109,7 @@ def test_grant_then_revoke_each_decision_cites_its_version(
     refused = _ask(store)
     assert not refused.allowed and refused.version is None  # default deny, not an error
 
-    grant = _change(destinations=["webhook:crm"], repeat_safe=True)
+    grant = policy_change(destinations=["webhook:crm"], repeat_safe=True)
     _write(isolated, grant)
     project_in_process(isolated)
     allowed = _ask(store)
@@ -134,7 +118,7 @@ def test_grant_then_revoke_each_decision_cites_its_version(
     assert _ask(store, Purpose.DELIVER, destination="webhook:crm").allowed
     assert not _ask(store, Purpose.DELIVER, destination="webhook:other").allowed
 
-    revoke = _change(PolicyChange.REVOKE, reason="left the team")
+    revoke = policy_change(PolicyChange.REVOKE, reason="left the team")
     _write(isolated, revoke)
     project_in_process(isolated)
     decision = _ask(store)
@@ -143,7 +127,7 @@ def test_grant_then_revoke_each_decision_cites_its_version(
     assert not _ask(store, Purpose.NEW_ATTEMPT).allowed
 
     # A broader grant does not override the revocation, but serves other actors.
-    everyone = _change(principal="*")
+    everyone = policy_change(principal="*")
     _write(isolated, everyone)
     project_in_process(isolated)
     assert _ask(store).version == revoke.event_id and not _ask(store).allowed
@@ -181,17 +165,19 @@ def test_a_credential_revocation_refuses_every_grant_naming_it(
     isolated: Settings, store: PolicyStore
 ) -> None:
     expires = datetime.now(UTC) + timedelta(days=1)
-    grant = _change(
+    grant = policy_change(
         credential_id="vault:mail", credential_scopes=["mail.send"], credential_expires_at=expires
     )
-    theirs = _change(tenant_id=OTHER, credential_id="vault:mail", credential_scopes=["mail.send"])
+    theirs = policy_change(
+        tenant_id=OTHER, credential_id="vault:mail", credential_scopes=["mail.send"]
+    )
     _write(isolated, grant, theirs)
     project_in_process(isolated)
     assert _ask(store, required_scope="mail.send").allowed
     missing_scope = _ask(store, required_scope="mail.admin")
     assert not missing_scope.allowed and "mail.admin" in missing_scope.reason
 
-    revocation = _change(
+    revocation = policy_change(
         PolicyChange.REVOKE_CREDENTIAL, principal="*", tool_name="*", credential_id="vault:mail"
     )
     _write(isolated, revocation)
@@ -209,7 +195,7 @@ def test_a_credential_revocation_refuses_every_grant_naming_it(
 def test_a_grant_for_one_tenant_never_lets_another_in(
     isolated: Settings, store: PolicyStore
 ) -> None:
-    everything = _change(
+    everything = policy_change(
         principal="*", tool_name="*", repeat_safe=True, destinations=["webhook:crm"]
     )
     _write(isolated, everything)
@@ -228,19 +214,19 @@ def test_undecodable_policy_records_are_dead_lettered_and_the_projector_goes_on(
 ) -> None:
     codec = default_codec()
     stray = next(iter(Workload(seed=3).operations(1)))[0]
-    before = _change(tool_name="before")
+    before = policy_change(tool_name="before")
     _write(isolated, before)
     _write_raw(isolated, isolated.policy_topic, grant_key(TENANT, ACTOR, TOOL), b"not avro")
     _write_raw(isolated, isolated.policy_topic, grant_key(TENANT, ACTOR, TOOL), None)
-    _write(isolated, _change(), key=grant_key(TENANT, "*", TOOL))  # keyed by another subject
+    _write(isolated, policy_change(), key=grant_key(TENANT, "*", TOOL))  # keyed by another subject
     _write_raw(
         isolated, isolated.policy_topic, stray.operation_id.encode(), codec.encode(stray)
     )  # an operation event on the policy topic
-    misplaced = _change(tool_name="misplaced")
+    misplaced = policy_change(tool_name="misplaced")
     _write_raw(  # a policy change on the execution topic
         isolated, isolated.execution_topic, misplaced.subject_key(), codec.encode(misplaced)
     )
-    after = _change(tool_name="after")
+    after = policy_change(tool_name="after")
     _write(isolated, after)
     operations = [e for op in Workload(seed=4).operations(30) for e in op]
     produce(isolated, operations)
@@ -335,10 +321,12 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
     for round_ in range(4):
         for principal, tool in subjects:
             if round_ % 2:
-                changes.append(_change(PolicyChange.REVOKE, principal=principal, tool_name=tool))
+                changes.append(
+                    policy_change(PolicyChange.REVOKE, principal=principal, tool_name=tool)
+                )
             else:
                 changes.append(
-                    _change(
+                    policy_change(
                         principal=principal,
                         tool_name=tool,
                         destinations=[f"d{round_}"],
@@ -346,7 +334,7 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
                     )
                 )
         changes.append(
-            _change(
+            policy_change(
                 PolicyChange.REVOKE_CREDENTIAL,
                 principal="*",
                 tool_name="*",
@@ -371,7 +359,7 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
     deadline = time.monotonic() + 120
     while len(_read_compacted(isolated)) == produced:
         assert time.monotonic() < deadline, "the broker did not compact the policy topic"
-        _write(isolated, _change(tool_name="roller"))  # keeps rolling segments
+        _write(isolated, policy_change(tool_name="roller"))  # keeps rolling segments
         produced += 1
         time.sleep(2)
     left = _read_compacted(isolated)
@@ -518,8 +506,8 @@ def test_without_the_tables_evaluate_refuses_and_says_why(isolated: Settings) ->
 
 
 def test_the_dispatch_cache_allows_only_its_documented_staleness(isolated: Settings) -> None:
-    grant = _change(destinations=["webhook:crm"], repeat_safe=True)
-    neighbour = _change(principal="agent-8")
+    grant = policy_change(destinations=["webhook:crm"], repeat_safe=True)
+    neighbour = policy_change(principal="agent-8")
     _write(isolated, grant, neighbour)
     project_in_process(isolated)
     pool = open_pool(isolated.dsn, name="policy-cache-test", max_size=2)
@@ -530,7 +518,7 @@ def test_the_dispatch_cache_allows_only_its_documented_staleness(isolated: Setti
         assert _ask(cached).allowed  # read and cached
         assert _ask(small).allowed
         assert _ask(small, actor="agent-8").allowed  # evicts agent-7 from the one-entry cache
-        revoke = _change(PolicyChange.REVOKE)
+        revoke = policy_change(PolicyChange.REVOKE)
         _write(isolated, revoke)
         project_in_process(isolated)
         # Within the TTL a dispatch still sees the cached grant ...
@@ -568,12 +556,16 @@ def test_evaluate_reads_grants_and_credential_revocations_in_one_statement(
 ) -> None:
     _write(
         isolated,
-        _change(credential_id="k1"),
-        _change(principal="*", credential_id="k2"),
-        _change(tool_name="*"),
-        _change(principal="agent-8", credential_id="k1"),  # cannot match agent-7
-        _change(PolicyChange.REVOKE_CREDENTIAL, principal="*", tool_name="*", credential_id="k1"),
-        _change(PolicyChange.REVOKE_CREDENTIAL, principal="*", tool_name="*", credential_id="k9"),
+        policy_change(credential_id="k1"),
+        policy_change(principal="*", credential_id="k2"),
+        policy_change(tool_name="*"),
+        policy_change(principal="agent-8", credential_id="k1"),  # cannot match agent-7
+        policy_change(
+            PolicyChange.REVOKE_CREDENTIAL, principal="*", tool_name="*", credential_id="k1"
+        ),
+        policy_change(
+            PolicyChange.REVOKE_CREDENTIAL, principal="*", tool_name="*", credential_id="k9"
+        ),
     )
     project_in_process(isolated)
     with psycopg.connect(isolated.dsn) as conn:

@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
 from ledger.domain.events import PolicyChanged
-from ledger.domain.ids import event_id
 from ledger.domain.policy import (
     PolicyChange,
     PolicyRequest,
@@ -43,7 +42,7 @@ from processors.batch_reader import BatchProjector
 from producers import TransitionRecorder
 from projections.writer import PostgresProjection
 from tests.delivery_support import ScriptedReceiver, SteppedDeliveryRig, keys_seen
-from tests.support import env_for, grant, project_in_process
+from tests.support import env_for, grant, policy_change, project_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -52,22 +51,10 @@ TERMS = ProviderTerms(
     call_timeout=timedelta(seconds=2), key_retention=timedelta(hours=1), repeat_safe=True
 )
 SECRET = "whsec_" + base64.b64encode(b"policy-attacks-0123456789").decode()
-_sequence = iter(range(1, 1_000_000))
 
 
 def _change(change: PolicyChange = PolicyChange.GRANT, **fields: Any) -> PolicyChanged:
-    now = datetime.now(UTC)
-    values: dict[str, Any] = {
-        "event_id": event_id(int(now.timestamp() * 1000), next(_sequence).to_bytes(10, "big")),
-        "tenant_id": TENANT,
-        "actor_id": "test:attacker",
-        "occurred_at": now,
-        "change": change,
-        "principal": ACTOR,
-        "tool_name": TOOL,
-    }
-    values.update(fields)
-    return PolicyChanged(**values)
+    return policy_change(change, actor_id="test:attacker", **fields)
 
 
 def _raw(settings: Settings, *records: tuple[bytes | None, bytes | None]) -> None:

@@ -90,14 +90,6 @@ def _wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 @contextlib.contextmanager
 def _bystander(argv: list[str], user: str | None = None) -> Iterator[int]:
     """An unrelated process (what a recycled pid belongs to); never outlives the test."""
@@ -169,7 +161,7 @@ def test_pid_files_naming_unrelated_processes_are_not_ours(tmp_path: Path) -> No
         stack.down(settings, echo=down.append)
         assert down == ["supervisor: not running", "kafka: not running", "postgres: not running"]
         for pid in (fake_supervisor, fake_kafka, fake_postmaster):
-            assert _alive(pid), f"pid {pid} was signalled"
+            assert supervisor.alive(pid), f"pid {pid} was signalled"
 
 
 def test_another_homes_supervisor_and_workers_are_not_ours(tmp_path: Path) -> None:
@@ -189,7 +181,7 @@ def test_another_homes_supervisor_and_workers_are_not_ours(tmp_path: Path) -> No
             stack.restart_worker(mine, "fake-provider", echo=lambda _line: None, wait=False)
         stack.down(mine, echo=lambda _line: None)
 
-        assert _alive(their_supervisor) and _alive(their_worker)
+        assert supervisor.alive(their_supervisor) and supervisor.alive(their_worker)
         assert supervisor.supervisor_pid(theirs) == their_supervisor
         assert (_worker(theirs)["pid"], _worker(theirs)["restarts"]) == (their_worker, 0)
 
@@ -350,7 +342,7 @@ def test_a_postmaster_pid_naming_another_process_does_not_stop_up(own_stack: Set
         stack.status(own_stack, echo=lines.append)
         assert lines[1].startswith("postgres  stopped   pid -"), lines
         stack.down(own_stack, echo=lambda _line: None)
-        assert _alive(bystander), "`down` signalled it"
+        assert supervisor.alive(bystander), "`down` signalled it"
         started = time.monotonic()
         up: list[str] = []
         stack.up(own_stack, echo=up.append, workers=False)
@@ -359,7 +351,7 @@ def test_a_postmaster_pid_naming_another_process_does_not_stop_up(own_stack: Set
             f"postgres: removed a stale postmaster.pid naming pid {bystander}, now another process"
             in up
         )
-        assert _alive(bystander)
+        assert supervisor.alive(bystander)
         assert stack.postgres_pid(own_stack) not in (None, bystander)
 
 
