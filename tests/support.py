@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -401,6 +402,19 @@ def free_port() -> int:
 
 
 _HANDED_OUT: set[int] = set()
+
+
+def private_stack_settings(base: Settings, home: Path) -> Settings:
+    """``base`` moved to a stack of its own in ``home``: a broker and a database on free ports,
+    reached through them (no inherited bootstrap or DSN)."""
+    return base.with_(
+        home=home,
+        kafka_port=free_port(),
+        kafka_controller_port=free_port(),
+        pg_port=free_port(),
+        kafka_bootstrap="",
+        pg_dsn="",
+    )
 
 
 def grant(

@@ -12,21 +12,14 @@ import pytest
 
 from ledger.settings import Settings
 from opledger import stack
-from tests.support import free_port
+from tests.support import private_stack_settings
 
 
 @pytest.fixture
 def private_stack(stack_settings: Settings) -> Iterator[Settings]:
     """Settings of a freshly started broker and database that only this test uses."""
     home = stack_settings.home / "private" / f"s{uuid4().hex[:10]}"
-    settings = stack_settings.with_(
-        home=home,
-        kafka_port=free_port(),
-        kafka_controller_port=free_port(),
-        pg_port=free_port(),
-        kafka_bootstrap="",
-        pg_dsn="",
-    )
+    settings = private_stack_settings(stack_settings, home)
     # The shared stack already resolved the broker's jars: reuse them rather than run Maven.
     version = f"kafka-{settings.kafka_version}"
     shared_jars = stack_settings.home / version

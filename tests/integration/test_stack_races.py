@@ -30,7 +30,7 @@ import pytest
 
 from ledger.settings import Settings
 from opledger import stack, supervisor
-from tests.support import env_for, free_port
+from tests.support import env_for, free_port, private_stack_settings
 
 #: The shared stack's ports: a test that would use one of them must not run.
 SHARED_PORTS = {19092, 19093, 15432, 16066, 16067, 16068, 16069, 16077}
@@ -44,13 +44,7 @@ FAKE_PROVIDER_SUPERVISOR = (
 
 
 def _own_settings(home: Path) -> Settings:
-    settings = Settings.from_env().with_(
-        home=home,
-        kafka_port=free_port(),
-        kafka_controller_port=free_port(),
-        pg_port=free_port(),
-        kafka_bootstrap="",
-        pg_dsn="",
+    settings = private_stack_settings(Settings.from_env(), home).with_(
         topic_prefix=f"r{uuid4().hex[:10]}",
         projector_web_port=free_port(),
         recovery_web_port=free_port(),
