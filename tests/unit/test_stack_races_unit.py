@@ -5,9 +5,13 @@ one-sentence messages for a home that cannot be written. No process is started."
 from __future__ import annotations
 
 import errno
+import os
+import signal
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 
 from ledger.settings import Settings
 from opledger import stack, supervisor
@@ -110,3 +114,28 @@ def test_every_worker_port_is_checked_with_the_variable_that_moves_it() -> None:
     assert ports[2345] == "OPLEDGER_FAKE_PROVIDER_URL"
     assert ports[settings.projector_web_port] == "OPLEDGER_PROJECTOR_WEB_PORT"
     assert len(ports) == len(supervisor.WORKERS), "one port per worker"
+
+
+class _SignalsWhileRead:
+    """A configuration value that delivers SIGTERM to this process while librdkafka's Python
+    binding reads it: the signal lands inside C code, which replaces the handler's exception
+    with its own TypeError (what failed CI once, in ``kafka_healthy`` during ``stack up``)."""
+
+    def __str__(self) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "opledger-test"
+
+
+def test_a_sigterm_landing_inside_a_c_extension_is_still_an_interruption() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    interrupted = pytest.raises(stack.StackInterruptedError, match="stopped by SIGTERM")
+    with interrupted as raised, stack.sigterm_interrupts("up"):
+        AdminClient({"bootstrap.servers": "127.0.0.1:9", "client.id": _SignalsWhileRead()})  # type: ignore[dict-item]
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_error_without_a_sigterm_is_left_as_it_is() -> None:
+    refused = pytest.raises(KafkaException, match="No such configuration property")
+    with refused, stack.sigterm_interrupts("up"):
+        AdminClient({"bootstrap.servers": "127.0.0.1:9", "no.such.property": "x"})
