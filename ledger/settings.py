@@ -170,6 +170,12 @@ class Settings:
     #: OPLEDGER_POLICY_FRESHNESS_REFRESH_MS: how often each of them looks again (one watermark
     #: request and one indexed SELECT; calls in between read a clock).
     policy_freshness_refresh_ms: int = 500
+    #: OPLEDGER_WORKER_STUCK_AFTER_S: a worker whose loop has not turned for this long (blocked
+    #: in a call whose own timeout failed) logs where it is and answers 503 "stuck" on /healthz.
+    worker_stuck_after_s: int = 120
+    #: OPLEDGER_WORKER_STUCK_EXIT_S: past this, the worker exits for its supervisor to start a
+    #: fresh process (0: never; else at least OPLEDGER_WORKER_STUCK_AFTER_S).
+    worker_stuck_exit_s: int = 600
     #: OPLEDGER_CONSUMER_NAME: the consumer's name in its inbox and in the key store (letters,
     #: digits, '.', '_', '-'); replicas of one consumer share it, different consumers must not.
     consumer_name: str = "reference"
@@ -249,6 +255,8 @@ class Settings:
             delivery_allow_networks=env.get("OPLEDGER_DELIVERY_ALLOW_NETWORKS", ""),
             policy_max_staleness_ms=_int(env, "OPLEDGER_POLICY_MAX_STALENESS_MS", 5000),
             policy_freshness_refresh_ms=_int(env, "OPLEDGER_POLICY_FRESHNESS_REFRESH_MS", 500),
+            worker_stuck_after_s=_int(env, "OPLEDGER_WORKER_STUCK_AFTER_S", 120),
+            worker_stuck_exit_s=_int(env, "OPLEDGER_WORKER_STUCK_EXIT_S", 600),
             consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
             consumer_web_port=_int(env, "OPLEDGER_CONSUMER_WEB_PORT", 16068),
             consumer_pg_dsn=env.get("OPLEDGER_CONSUMER_PG_DSN", ""),
@@ -306,6 +314,8 @@ class Settings:
             ("consumer_hold_limit_s", 1),
             ("policy_max_staleness_ms", 10),
             ("policy_freshness_refresh_ms", 10),
+            ("worker_stuck_after_s", 1),
+            ("worker_stuck_exit_s", 0),
         ):
             if getattr(self, name) < least:
                 raise SettingsError(
@@ -316,6 +326,11 @@ class Settings:
                 f"{_var('policy_freshness_refresh_ms')} ({self.policy_freshness_refresh_ms}) must "
                 f"not exceed {_var('policy_max_staleness_ms')} ({self.policy_max_staleness_ms}): "
                 "the view would go stale between two looks"
+            )
+        if 0 < self.worker_stuck_exit_s < self.worker_stuck_after_s:
+            raise SettingsError(
+                f"{_var('worker_stuck_exit_s')} ({self.worker_stuck_exit_s}) must be 0 (never) or "
+                f"at least {_var('worker_stuck_after_s')} ({self.worker_stuck_after_s})"
             )
         if self.delivery_results_url and not re.fullmatch(
             r"https?://[^\s/?#]+(/[^\s?#]*)?", self.delivery_results_url

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
+import traceback
 from typing import Any, Protocol
 
 import faust
@@ -22,14 +24,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ledger.heap import freeze_startup_heap
 from ledger.secrets import redact_handlers
 from ledger.settings import Settings
+from processors.health import Health, LoopWatchdog, Verdict
 
 log = logging.getLogger("opledger.worker")
 
 _METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST.partition("; charset")[0]
 
 
-class Health(Protocol):
-    def snapshot(self) -> dict[str, Any]: ...
+class LoopStuckError(RuntimeError):
+    """The loop has not turned for longer than OPLEDGER_WORKER_STUCK_EXIT_S: the worker exits so
+    that its supervisor starts a fresh process."""
+
+
+def where_thread_is(thread: threading.Thread) -> str:
+    """The stack ``thread`` is running now, innermost call last."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "  (the thread has ended)"
+    return "".join(traceback.format_stack(frame)).rstrip()
 
 
 class Loop(Protocol):
@@ -82,7 +94,38 @@ def create_app(
         broker_session_timeout=10.0,
     )
 
+    watchdog = LoopWatchdog(
+        projector.health, settings.worker_stuck_after_s, settings.worker_stuck_exit_s
+    )
+    #: the loop's thread, once started
+    loop_threads: list[threading.Thread] = []
+
     class ProjectorService(mode.Service):
+        @mode.Service.timer(max(0.5, min(5.0, settings.worker_stuck_after_s / 4)))
+        async def _watch(self) -> None:
+            """A loop blocked in a call that never returns logs nothing and fails nothing: say
+            where it is, and past the exit bound crash so the supervisor starts a fresh one."""
+            if not loop_threads or not loop_threads[0].is_alive():
+                return
+            loop_thread = loop_threads[0]
+            verdict = watchdog.check()
+            if verdict is Verdict.NEWLY_STUCK:
+                log.error(
+                    "%s loop has not turned for %.0fs (OPLEDGER_WORKER_STUCK_AFTER_S); it is "
+                    "here:\n%s",
+                    name,
+                    settings.worker_stuck_after_s,
+                    where_thread_is(loop_thread),
+                )
+            elif verdict is Verdict.EXIT:
+                failure = LoopStuckError(
+                    f"{name} loop has not turned for {settings.worker_stuck_exit_s}s "
+                    "(OPLEDGER_WORKER_STUCK_EXIT_S); exiting so that a fresh process takes over"
+                )
+                log.error("%s; it is here:\n%s", failure, where_thread_is(loop_thread))
+                await self.crash(failure)
+                raise failure
+
         @mode.Service.task
         async def _project(self) -> None:
             loop = asyncio.get_running_loop()
@@ -105,7 +148,9 @@ def create_app(
             # A daemon thread, not the default executor: a SIGTERM that arrives while faust is
             # still starting may never reach on_stop, and a non-daemon thread would then keep
             # the process alive. Killing the loop mid-batch is safe: offsets commit with rows.
-            threading.Thread(target=run, name=f"opledger-{name}", daemon=True).start()
+            thread = threading.Thread(target=run, name=f"opledger-{name}", daemon=True)
+            loop_threads.append(thread)
+            thread.start()
             try:
                 failure = await finished
             finally:

@@ -340,6 +340,7 @@ class BatchProjector:
             self._report_open_ages()
             reads = self._decode(messages)
             if not reads:
+                self.health.beat()
                 self._check_kafka()
                 return None
             self._pending = reads

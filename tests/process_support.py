@@ -47,15 +47,12 @@ def kill(process: subprocess.Popen[bytes]) -> None:
 
 
 _FAUST_HOST = """
-import logging, sys, time
+import logging, sys, threading, time
 import faust
 from prometheus_client import CollectorRegistry
 from ledger.settings import Settings
 from processors.app import create_app
-
-class Health:
-    def snapshot(self):
-        return {{"status": "ok", "progressing": True}}
+from processors.health import Health
 
 {loop}
 

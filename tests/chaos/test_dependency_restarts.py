@@ -118,7 +118,13 @@ def _projector(settings: Settings, log: Path) -> Iterator[subprocess.Popen[bytes
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "opledger.cli", "projector", "run"],
-            env=env_for(settings),
+            # A loop that stops turning says where it is early, and never exits: this test
+            # forbids a new process.
+            env={
+                **env_for(settings),
+                "OPLEDGER_WORKER_STUCK_AFTER_S": "20",
+                "OPLEDGER_WORKER_STUCK_EXIT_S": "0",
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -182,7 +188,13 @@ def test_restarts_of_postgres_and_kafka_lose_and_double_nothing(
             "the projector exited; nobody may restart it by hand:\n"
             + ((tmp_path / "projector.log").read_text(errors="replace")[-3000:])
         )
-        wait_caught_up(settings, timeout=120)
+        try:
+            wait_caught_up(settings, timeout=120)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}; /healthz says {_health(port)}; the projector's log ends:\n"
+                + (tmp_path / "projector.log").read_text(errors="replace")[-8000:]
+            ) from None
         assert projector.poll() is None
         assert _health(port)[0] == 200
 
