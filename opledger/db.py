@@ -42,6 +42,9 @@ def migrate_command(args: argparse.Namespace, settings: Settings) -> int:
             f"opledger: cannot reach PostgreSQL at {redact(settings.dsn)}: {exc}", file=sys.stderr
         )
         return EXIT_USAGE
+    except migrations.MigrationError as exc:
+        print(f"opledger: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     for component, versions in applied.items():
         done = ", ".join(f"{v:03d}" for v in versions) or "nothing (up to date)"
         print(f"{component}: applied {done}")
