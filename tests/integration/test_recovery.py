@@ -22,6 +22,7 @@ from ledger.history import HistoryReader
 from ledger.leases import LeaseStore
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
+from ledger.policy_store import PolicyFreshness
 from ledger.results import MAX_RESULT_BYTES, ResultStore
 from ledger.settings import Settings
 from ledger.tools import LookupResult, ProviderTerms
@@ -30,7 +31,7 @@ from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
 from processors.recovery.worker import RecoveryWorker
 from producers import TrackedOperation, TransitionRecorder
-from tests.support import assert_no_identifying_labels, project_in_process, read_all
+from tests.support import assert_no_identifying_labels, grant, project_in_process, read_all
 
 X = ExecutionState
 TOOL = "send_email"
@@ -383,3 +384,42 @@ def test_a_cancelled_operation_is_reconciled_but_never_attempted_again(rig: Rig)
     state, _attempt, parked, decision, _ref = rig.row(op)
     assert (state, decision) == ("UNKNOWN", "REFUSE") and parked and "cancelled" in parked
     assert rig.provider.stats().calls == 0
+
+
+def test_a_policy_view_that_may_lack_a_change_holds_reconciliation(isolated: Settings) -> None:
+    """Decision 022 for the recovery worker: while the projected policy lags its topic (a
+    revocation may wait unfolded) an UNKNOWN operation is neither resumed nor attempted again,
+    nor parked; once the view is current, the pass decides it under the policy of that moment."""
+    quick = isolated.with_(policy_max_staleness_ms=300, policy_freshness_refresh_ms=50)
+    rig = Rig(quick, MemoryProvider(TOOL, _terms(), mode=Mode.NON_IDEMPOTENT))
+    freshness = PolicyFreshness(quick)  # the worker's limits, to wait for what it will see
+    try:
+        op = rig.abandoned(unknown=True)
+        time.sleep(ABANDONED_LEASE_S + 0.1)
+        project_in_process(quick)
+        grant(quick, "acme", actor="agent-7", tool=TOOL)  # on the topic, not folded
+        deadline = time.monotonic() + 10
+        while freshness.stale_reason() is None:
+            assert time.monotonic() < deadline, "the view never went stale"
+            time.sleep(0.02)
+        for _ in range(3):
+            rig.worker.run_once(range(quick.partitions))
+        assert rig.provider.stats().calls == 0, "attempted again under a stale view"
+        assert rig.policy.asked == [], "decided under a stale view"
+        assert not [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
+        health = rig.worker.health.snapshot()
+        assert health["status"] == "ok", health  # a held operation is not a stalled worker
+        project_in_process(quick)
+        deadline = time.monotonic() + 10
+        while freshness.stale_reason() is not None:
+            assert time.monotonic() < deadline, "the view never became current"
+            time.sleep(0.02)
+        rig.recover(passes=2)
+        assert rig.row(op)[:2] == ("SUCCEEDED", 2)
+        assert rig.provider.stats().calls == 1
+        assert [e.decision for e in rig.events(op) if isinstance(e, ReconciliationDecided)] == [
+            Decision.NEW_ATTEMPT
+        ]
+    finally:
+        freshness.close()
+        rig.close()
