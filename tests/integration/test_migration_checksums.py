@@ -87,29 +87,26 @@ def test_a_table_from_before_checksums_adopts_the_files_once(
             migrate.apply(conn, COMPONENT, directory)
 
 
-def test_db_migrate_says_why_it_refuses(isolated: Settings) -> None:
-    migrated = subprocess.run(
+def _db_migrate(settings: Settings) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "opledger.cli", "db", "migrate"],
-        env=env_for(isolated),
+        env=env_for(settings),
         capture_output=True,
         check=False,
         text=True,
         timeout=60,
     )
+
+
+def test_db_migrate_says_why_it_refuses(isolated: Settings) -> None:
+    migrated = _db_migrate(isolated)
     assert migrated.returncode == 0, migrated.stderr
     with psycopg.connect(isolated.dsn, autocommit=True) as conn:
         conn.execute(
             "UPDATE schema_migrations SET checksum = repeat('0', 64) "
             "WHERE component = 'projections' AND version = 1"
         )
-    refused = subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "db", "migrate"],
-        env=env_for(isolated),
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=60,
-    )
+    refused = _db_migrate(isolated)
     assert refused.returncode == 2, refused.stderr
     assert "projections migration 001_projections.sql is not what" in refused.stderr
     assert "Traceback" not in refused.stderr
