@@ -25,6 +25,7 @@ class Metrics:
     append_to_visible_seconds: Histogram
     projector_lag_records: Gauge
     projector_skipped_redelivered: Counter
+    projector_consumer_reopens: Counter
     execution_oldest_age_seconds: Gauge
     delivery_oldest_age_seconds: Gauge
     anomalies: Counter
@@ -112,6 +113,12 @@ class Metrics:
             projector_skipped_redelivered=Counter(
                 "opledger_projector_skipped_redelivered_total",
                 "Records skipped because their offset was already projected (redelivery).",
+                registry=registry,
+            ),
+            projector_consumer_reopens=Counter(
+                "opledger_projector_consumer_reopens_total",
+                "Times the projector reopened its Kafka consumer because records waited on the "
+                "broker while nothing was fetched (a stalled fetcher after a broker restart).",
                 registry=registry,
             ),
             execution_oldest_age_seconds=Gauge(

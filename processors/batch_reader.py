@@ -19,7 +19,10 @@ Nothing a topic holds can stop this loop:
 - a record too large to republish is dead-lettered *by reference* (coordinates, size, digest,
   a prefix); the original stays on its topic;
 - PostgreSQL or the broker going away is waited out with backoff, the batch kept and tried
-  again, while ``/healthz`` says the projector is not progressing.
+  again, while ``/healthz`` says the projector is not progressing;
+- a consumer that stops fetching while records wait (librdkafka's assigned consumer, after a
+  broker restart, now and then: confluentinc/librdkafka#5153, fede1024/rust-rdkafka#597) is
+  reopened from the positions stored with the rows, as a restarted process would be.
 """
 
 from __future__ import annotations
@@ -211,6 +214,7 @@ class BatchProjector:
         clock: Callable[[], float] = time.time,
         *,
         max_backoff_s: float = 5.0,
+        fetch_stall_s: float = 20.0,
     ) -> None:
         self._settings = settings
         self._config = reader_config(settings)
@@ -235,6 +239,11 @@ class BatchProjector:
         #: paused delivery (topic, partition) -> execution position it waits for
         self._waiting: dict[tuple[str, int], int] = {}
         self._kafka_checked_at = 0.0
+        #: how long nothing may arrive before the broker is asked whether records wait; doubled
+        #: after a reopen that brought nothing (a tail the fetcher may rightly never return)
+        self._fetch_stall_base_s = fetch_stall_s
+        self._fetch_stall_s = fetch_stall_s
+        self._fetched_at = time.monotonic()
         self.health = Health("projector", unit="batches")
 
     @property
@@ -338,10 +347,14 @@ class BatchProjector:
             messages = self._consumer.consume(self._config.batch_size, self._config.poll_timeout_s)
             self._report_lag()
             self._report_open_ages()
+            if messages:
+                self._fetched_at = time.monotonic()
+                self._fetch_stall_s = self._fetch_stall_base_s
             reads = self._decode(messages)
             if not reads:
                 self.health.beat()
                 self._check_kafka()
+                self._check_fetching()
                 return None
             self._pending = reads
         try:
@@ -548,6 +561,59 @@ class BatchProjector:
         log.info("kafka broker reachable again")
         self._kafka_down = None
         self.health.ok(done=0)
+
+    def _check_fetching(self) -> None:
+        """Nothing fetched for a while: ask the broker whether records wait. If they do, the
+        fetcher is stuck (it logs nothing and fails nothing), and the consumer is reopened from
+        the positions stored with the rows: exactly what a restarted projector would read."""
+        if self._kafka_down is not None or self._consumer is None:
+            return
+        now = time.monotonic()
+        if now - self._fetched_at < self._fetch_stall_s:
+            return
+        self._fetched_at = now  # one look per bound
+        behind = self._records_waiting()
+        if not behind:
+            return
+        log.warning(
+            "projector fetched nothing for %.0fs while records wait on the broker (%s); "
+            "reopening its consumer from the stored positions",
+            self._fetch_stall_s,
+            ", ".join(behind[:5]) + (f" and {len(behind) - 5} more" if len(behind) > 5 else ""),
+        )
+        self._metrics.projector_consumer_reopens.inc()
+        self._fetch_stall_s = min(self._fetch_stall_s * 2, 600.0)
+        self._close_clients()
+        self._waiting.clear()
+        self._execution_ends.clear()
+        self._positions.clear()
+        self._consumer = self._open_patiently()
+
+    def _records_waiting(self) -> list[str]:
+        """Partitions the broker holds records for beyond what this projector has read
+        (``topic[partition]: position < end``), asked fresh, not from the fetcher's cache;
+        a delivery partition held on purpose counts only once what it waits for cannot come."""
+        assert self._consumer is not None
+        ends: dict[tuple[str, int], int] = {}
+        try:
+            for key in self._positions:
+                _low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(*key), timeout=2, cached=False
+                )
+                ends[key] = int(high)
+        except KafkaException:
+            return []  # the broker is not answering: the unreachable path says so
+        behind = []
+        for (topic, partition), position in self._positions.items():
+            needed = self._waiting.get((topic, partition))
+            if needed is not None:
+                execution = (self._config.execution_topic, partition)
+                read_all = self._positions.get(execution, 0) >= ends.get(execution, 0)
+                if not (read_all and needed > self._positions.get(execution, 0)):
+                    continue  # held until its execution partition is read that far
+            if ends[(topic, partition)] > position:
+                behind.append(f"{topic}[{partition}]: {position} < {ends[(topic, partition)]}")
+        return behind
 
     def _wait_backoff(self) -> None:
         self._backoff_s = min(max(self._backoff_s * 2, 0.1), self._max_backoff_s)

@@ -1,0 +1,94 @@
+"""The projector against a Kafka consumer that stops fetching while records wait: librdkafka's
+assigned consumer does so now and then after a broker restart (confluentinc/librdkafka#5153,
+fede1024/rust-rdkafka#597), and one clean-clone CI run saw the projector idle for two minutes
+behind its topics after the restart chaos test's broker restarts. The stall is made here by
+pausing the projector's partitions behind its back (the real consumer and broker, fetching
+nothing): the projector must notice that records wait, reopen its consumer from the positions
+stored with the rows, and catch up, in the same process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from ledger.codec import default_codec
+from ledger.metrics import Metrics
+from ledger.settings import Settings
+from opledger.workload import Workload
+from processors.batch_reader import BatchProjector
+from projections.writer import PostgresProjection
+from tests.support import (
+    assert_projection_matches,
+    caught_up,
+    independent_fold,
+    produce,
+    wait_caught_up,
+)
+
+
+def _events(count: int, seed: int) -> list[Any]:
+    return [e for op in Workload(seed=seed).operations(count) for e in op]
+
+
+class _Running:
+    def __init__(self, settings: Settings, fetch_stall_s: float) -> None:
+        self.registry = CollectorRegistry()
+        self.sink = PostgresProjection.connect(settings.dsn)
+        self.projector = BatchProjector(
+            settings,
+            self.sink,
+            default_codec(),
+            Metrics.create(self.registry),
+            fetch_stall_s=fetch_stall_s,
+        )
+        self.thread = threading.Thread(target=self.projector.run, daemon=True)
+        self.thread.start()
+
+    def reopens(self) -> float:
+        return self.registry.get_sample_value("opledger_projector_consumer_reopens_total") or 0.0
+
+    def close(self) -> None:
+        self.projector.stop()
+        self.thread.join(timeout=30)
+        self.sink.close()
+
+
+def test_a_consumer_that_stops_fetching_is_reopened_and_catches_up(isolated: Settings) -> None:
+    running = _Running(isolated, fetch_stall_s=1.0)
+    try:
+        produce(isolated, _events(200, seed=21))
+        wait_caught_up(isolated, timeout=60)
+        # (A bound this short may also reopen once while the first fetch is slow: counted from
+        # here.)
+        before = running.reopens()
+        consumer = running.projector._consumer
+        assert consumer is not None
+        consumer.pause(consumer.assignment())  # the fetcher stops; nothing says so
+        produce(isolated, _events(200, seed=22))
+        waited = wait_caught_up(isolated, timeout=60)
+        assert running.reopens() - before == 1, running.reopens()
+        assert running.projector._consumer is not consumer, "a new consumer"
+        assert running.thread.is_alive()
+        print(f"\ncaught up {waited:.1f}s after the fetcher stopped (bound 1 s)")
+    finally:
+        running.close()
+    summary = assert_projection_matches(isolated, independent_fold(isolated))
+    assert summary["operations"] == 400 and summary["anomalies"] == 0
+
+
+def test_an_idle_projector_with_nothing_waiting_keeps_its_consumer(isolated: Settings) -> None:
+    running = _Running(isolated, fetch_stall_s=0.5)
+    try:
+        produce(isolated, _events(20, seed=23))
+        wait_caught_up(isolated, timeout=60)
+        before = running.reopens()
+        consumer = running.projector._consumer
+        time.sleep(3.0)  # six bounds with nothing to fetch
+        assert caught_up(isolated)
+        assert running.reopens() == before
+        assert running.projector._consumer is consumer
+    finally:
+        running.close()
