@@ -167,7 +167,13 @@ def cut_tokens(text: str, limit: int) -> str:
         return text
     head = text[:limit]
     if not text[limit].isspace():
-        head = head.rsplit(None, 1)[0] if any(c.isspace() for c in head) else ""
+        # Back to the last whitespace (str.rsplit would also drop leading whitespace, and finds
+        # nothing to split in a head of whitespace alone: "\r0" cut at 1 raised IndexError).
+        end = len(head)
+        while end and not head[end - 1].isspace():
+            end -= 1
+        head = head[:end]
+    head = head.rstrip()
     return f"{head} [cut]" if head else "[cut]"
 
 

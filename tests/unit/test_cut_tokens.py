@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ledger.secrets import cut_tokens, scrub
@@ -14,6 +14,11 @@ SECRET = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
 
 
 @given(st.text(max_size=300), st.integers(min_value=0, max_value=200))
+# Found by this test: a head that is whitespace alone raised IndexError (a destination's answer
+# could stop the delivery worker's pass), and leading whitespace made the kept text no prefix.
+@example(text="\r0", limit=1)
+@example(text="\r00", limit=2)
+@example(text=" \t x", limit=3)
 def test_the_cut_is_bounded_and_a_prefix_cut_at_a_whitespace(text: str, limit: int) -> None:
     cut = cut_tokens(text, limit)
     if len(text) <= limit:
