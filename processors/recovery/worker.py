@@ -174,6 +174,8 @@ class RecoveryWorker:
         self._results = results
         self._policy = policy
         self._policy_freshness = PolicyFreshness(settings)
+        #: why this pass decided nothing for some operations (a stale policy view), if so
+        self._held_for_policy: str | None = None
         self._providers = {p.tool_name: p for p in providers}
         self._batch_lookups = {
             name for name, p in self._providers.items() if isinstance(p, BatchLookup)
@@ -288,6 +290,7 @@ class RecoveryWorker:
             self.health.ok()
             return 0
         started = time.monotonic()
+        self._held_for_policy = None
         try:
             handled = self._pass(wanted)
         except (DatabaseUnavailableError, HistoryError, KafkaException, RecordError) as exc:
@@ -296,7 +299,10 @@ class RecoveryWorker:
             self._stopping.wait(1.0)
             return 0
         self._report_parked()
-        self.health.ok()
+        if self._held_for_policy is not None:
+            self.health.stalled(self._held_for_policy)
+        else:
+            self.health.ok()
         self._metrics.recovery_pass_seconds.observe(time.monotonic() - started)
         return handled
 
@@ -322,8 +328,14 @@ class RecoveryWorker:
         self._look_up_and_decide(states)
         # Only the provider calls the decisions permit go back to the threads.
         self._concurrently(self._with_requests(states), self._call_stored)
+        held = [s for s in states if isinstance(s.failure, PolicyViewStaleError)]
+        if held:
+            # One line for all of them, and /healthz says why nothing is decided.
+            self._held_for_policy = f"{len(held)} operations held: {held[0].failure}"
+            log.warning("recovery pass: %s", self._held_for_policy)
         for state in states:
-            if state.failure is not None:  # one operation's trouble never stops the others
+            if state.failure is not None and state not in held:
+                # one operation's trouble never stops the others
                 log.warning("an operation was left for a later pass: %s", _said(state.failure))
         handled = self._record(states)
         self._leases.release(list(taken.values()))

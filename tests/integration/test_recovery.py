@@ -408,7 +408,8 @@ def test_a_policy_view_that_may_lack_a_change_holds_reconciliation(isolated: Set
         assert rig.policy.asked == [], "decided under a stale view"
         assert not [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
         health = rig.worker.health.snapshot()
-        assert health["status"] == "ok", health  # a held operation is not a stalled worker
+        assert health["status"] == "stalled", health  # /healthz 503, and why
+        assert "1 operations held" in health["reason"] and "vouched" in health["reason"], health
         project_in_process(quick)
         deadline = time.monotonic() + 10
         while freshness.stale_reason() is not None:
@@ -416,6 +417,7 @@ def test_a_policy_view_that_may_lack_a_change_holds_reconciliation(isolated: Set
             time.sleep(0.02)
         rig.recover(passes=2)
         assert rig.row(op)[:2] == ("SUCCEEDED", 2)
+        assert rig.worker.health.snapshot()["status"] == "ok"
         assert rig.provider.stats().calls == 1
         assert [e.decision for e in rig.events(op) if isinstance(e, ReconciliationDecided)] == [
             Decision.NEW_ATTEMPT
