@@ -151,7 +151,12 @@ _REFUSALS: tuple[type[BaseException], ...] = (
     OverflowError,
     UnicodeError,
 )
+# A lock timeout (LockNotAvailable) is an OperationalError too: a batch that waited too long is
+# tried again, never split and dead-lettered.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+
+#: How long a batch waits for a lock another session holds before it is paused and retried.
+LOCK_TIMEOUT_MS = 30_000
 
 _ANOMALY_COLUMNS = (
     "topic",
@@ -339,8 +344,11 @@ class _Folded:
 class PostgresProjection:
     """The :class:`ledger.records.ProjectionSink` over PostgreSQL."""
 
-    def __init__(self, conn: psycopg.Connection[Any], dsn: str = "") -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], dsn: str = "", *, lock_timeout_ms: int = 0
+    ) -> None:
         self._conn = conn
+        self._lock_timeout_ms = lock_timeout_ms
         # psycopg's dsn leaves the password out: pass the real one to survive a reconnect.
         self._dsn = dsn or conn.info.dsn
         self._consumer = ""
@@ -353,7 +361,7 @@ class PostgresProjection:
         self._positions: dict[tuple[str, int], int] | None = None
 
     @classmethod
-    def connect(cls, dsn: str) -> PostgresProjection:
+    def connect(cls, dsn: str, *, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> PostgresProjection:
         try:
             conn = psycopg.connect(
                 dsn,
@@ -364,9 +372,19 @@ class PostgresProjection:
             )
         except psycopg.OperationalError as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
-        projection = cls(conn, dsn)
-        projection.migrate()
+        projection = cls(conn, dsn, lock_timeout_ms=lock_timeout_ms)
+        projection.migrate()  # unbounded: concurrent starters queue on the migrations' lock
+        projection._bound_lock_waits(conn)
         return projection
+
+    def _bound_lock_waits(self, conn: psycopg.Connection[Any]) -> None:
+        """A lock another session holds on a projection table (an analyst's ``LOCK TABLE``, a
+        transaction left open) would make a batch wait for ever, the projector silent: past
+        the bound the batch is paused and tried again, and /healthz says why."""
+        try:
+            conn.execute(f"SET lock_timeout = {int(self._lock_timeout_ms)}")
+        except psycopg.Error as exc:
+            raise SinkUnavailableError(f"PostgreSQL unavailable: {_first_line(exc)}") from exc
 
     def close(self) -> None:
         self._conn.close()
@@ -429,6 +447,7 @@ class PostgresProjection:
             )
         except psycopg.Error as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
+        self._bound_lock_waits(conn)
         old, self._conn = self._conn, conn
         self._staging_ready = False  # temp tables live and die with the session
         self._forget()

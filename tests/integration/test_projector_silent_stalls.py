@@ -1,10 +1,18 @@
-"""The projector against a Kafka consumer that stops fetching while records wait: librdkafka's
+"""What could stop the projector without a word, each made for real: a consumer that stops
+fetching, and another session's lock on a projection table.
+
+A Kafka consumer that stops fetching while records wait: librdkafka's
 assigned consumer does so now and then after a broker restart (confluentinc/librdkafka#5153,
 fede1024/rust-rdkafka#597), and one clean-clone CI run saw the projector idle for two minutes
 behind its topics after the restart chaos test's broker restarts. The stall is made here by
 pausing the projector's partitions behind its back (the real consumer and broker, fetching
 nothing): the projector must notice that records wait, reopen its consumer from the positions
-stored with the rows, and catch up, in the same process."""
+stored with the rows, and catch up, in the same process.
+
+A lock another session holds (an analyst's ``LOCK TABLE`` in an open transaction) made a batch
+wait for ever, the projector silent and /healthz still 200. Now the batch gives up after the
+lock timeout, /healthz says 503 with the reason, and the same batch commits once the lock is
+released: nothing dead-lettered, nothing lost."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
@@ -34,9 +43,11 @@ def _events(count: int, seed: int) -> list[Any]:
 
 
 class _Running:
-    def __init__(self, settings: Settings, fetch_stall_s: float) -> None:
+    def __init__(
+        self, settings: Settings, fetch_stall_s: float = 20.0, lock_timeout_ms: int = 30_000
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.sink = PostgresProjection.connect(settings.dsn)
+        self.sink = PostgresProjection.connect(settings.dsn, lock_timeout_ms=lock_timeout_ms)
         self.projector = BatchProjector(
             settings,
             self.sink,
@@ -92,3 +103,33 @@ def test_an_idle_projector_with_nothing_waiting_keeps_its_consumer(isolated: Set
         assert running.projector._consumer is consumer
     finally:
         running.close()
+
+
+def test_a_lock_another_session_holds_pauses_the_projector_visibly_then_it_catches_up(
+    isolated: Settings,
+) -> None:
+    running = _Running(isolated, lock_timeout_ms=300)
+    try:
+        produce(isolated, _events(20, seed=24))
+        wait_caught_up(isolated, timeout=60)
+        with psycopg.connect(isolated.dsn) as analyst:
+            analyst.execute("LOCK TABLE agent_operations IN ACCESS EXCLUSIVE MODE")
+            produce(isolated, _events(50, seed=25))
+            deadline = time.monotonic() + 30
+            while True:
+                health = running.projector.health.snapshot()
+                if health["status"] == "stalled":
+                    break
+                assert time.monotonic() < deadline, f"never said it waits: {health}"
+                time.sleep(0.05)
+            assert "lock timeout" in health["reason"], health
+            assert not caught_up(isolated)
+            analyst.rollback()  # the lock is released
+        wait_caught_up(isolated, timeout=60)
+        assert running.projector.health.snapshot()["status"] == "ok"
+        assert running.thread.is_alive()
+    finally:
+        running.close()
+    summary = assert_projection_matches(isolated, independent_fold(isolated))
+    assert summary["operations"] == 70 and summary["anomalies"] == 0
+    assert summary["dead"] == 0, "a batch that waited for a lock is retried, not dead-lettered"
