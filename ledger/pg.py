@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.errors import LockNotAvailable
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ledger.domain.redact import redact
@@ -41,9 +42,17 @@ class DatabaseError(RecordError):
     """PostgreSQL refused the work (a constraint, a bad value); retrying would not help."""
 
 
-def open_pool(dsn: str, *, name: str, max_size: int = 16) -> ConnectionPool[Any]:
+#: How long a statement waits for a lock another session holds (OPLEDGER_PG_LOCK_TIMEOUT_MS).
+LOCK_TIMEOUT_MS = 30_000
+
+
+def open_pool(
+    dsn: str, *, name: str, max_size: int = 16, lock_timeout_ms: int = LOCK_TIMEOUT_MS
+) -> ConnectionPool[Any]:
     """A pool of autocommit connections to ``dsn``, opened lazily: it does not fail while
-    PostgreSQL is down (the first use says so instead)."""
+    PostgreSQL is down (the first use says so instead). A statement waits at most
+    ``lock_timeout_ms`` for a lock another session holds, then fails (and :func:`retrying`
+    says so), instead of making its caller wait for ever."""
     return ConnectionPool(
         dsn,
         min_size=1,
@@ -52,7 +61,7 @@ def open_pool(dsn: str, *, name: str, max_size: int = 16) -> ConnectionPool[Any]
             "autocommit": True,
             "connect_timeout": 5,
             "application_name": name,
-            "options": SESSION_OPTIONS,
+            "options": f"{SESSION_OPTIONS} -c lock_timeout={int(lock_timeout_ms)}",
         },
         open=True,
         name=name,
@@ -92,6 +101,12 @@ def retrying(
             # retried, a call racing close() would wait out the whole window for nothing.
             raise DatabaseError(f"could not {what}: {pool_closed(exc)}") from exc
         except (psycopg.OperationalError, PoolTimeout) as exc:
+            if time.monotonic() + delay >= deadline and isinstance(exc, LockNotAvailable):
+                raise DatabaseUnavailableError(
+                    f"could not {what}: another session held a lock it needs for "
+                    f"{window_s:.0f}s ({first_line(exc)}); nothing was done. Find the holder "
+                    "in pg_locks / pg_stat_activity"
+                ) from exc
             if time.monotonic() + delay >= deadline:
                 where = redact(str(pool.conninfo))
                 raise DatabaseUnavailableError(

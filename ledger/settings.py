@@ -170,6 +170,11 @@ class Settings:
     #: OPLEDGER_POLICY_FRESHNESS_REFRESH_MS: how often each of them looks again (one watermark
     #: request and one indexed SELECT; calls in between read a clock).
     policy_freshness_refresh_ms: int = 500
+    #: OPLEDGER_PG_LOCK_TIMEOUT_MS: the longest a statement of the SDK, the workers or the
+    #: projector waits for a lock another session holds (an analyst's LOCK TABLE, a
+    #: transaction left open) before it fails and is retried or reported, rather than waiting
+    #: silently for ever (decision 025).
+    pg_lock_timeout_ms: int = 30_000
     #: OPLEDGER_WORKER_STUCK_AFTER_S: a worker whose loop has not turned for this long (blocked
     #: in a call whose own timeout failed) logs where it is and answers 503 "stuck" on /healthz.
     worker_stuck_after_s: int = 120
@@ -255,6 +260,7 @@ class Settings:
             delivery_allow_networks=env.get("OPLEDGER_DELIVERY_ALLOW_NETWORKS", ""),
             policy_max_staleness_ms=_int(env, "OPLEDGER_POLICY_MAX_STALENESS_MS", 5000),
             policy_freshness_refresh_ms=_int(env, "OPLEDGER_POLICY_FRESHNESS_REFRESH_MS", 500),
+            pg_lock_timeout_ms=_int(env, "OPLEDGER_PG_LOCK_TIMEOUT_MS", 30_000),
             worker_stuck_after_s=_int(env, "OPLEDGER_WORKER_STUCK_AFTER_S", 120),
             worker_stuck_exit_s=_int(env, "OPLEDGER_WORKER_STUCK_EXIT_S", 600),
             consumer_name=env.get("OPLEDGER_CONSUMER_NAME", "reference"),
@@ -314,6 +320,7 @@ class Settings:
             ("consumer_hold_limit_s", 1),
             ("policy_max_staleness_ms", 10),
             ("policy_freshness_refresh_ms", 10),
+            ("pg_lock_timeout_ms", 1),
             ("worker_stuck_after_s", 1),
             ("worker_stuck_exit_s", 0),
         ):

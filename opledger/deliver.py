@@ -50,7 +50,12 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
 
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
-    pool = open_pool(settings.dsn, name="opledger-delivery", max_size=8)
+    pool = open_pool(
+        settings.dsn,
+        name="opledger-delivery",
+        max_size=8,
+        lock_timeout_ms=settings.pg_lock_timeout_ms,
+    )
     transport = KafkaTransport(settings)
     history = HistoryReader(settings, pool, client_id="opledger-delivery-history")
     webhooks = WebhookSender(concurrency=settings.delivery_concurrency, metrics=metrics)

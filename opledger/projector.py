@@ -27,7 +27,7 @@ def build(settings: Settings) -> tuple[Any, BatchProjector, PostgresProjection]:
 
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
-    sink = PostgresProjection.connect(settings.dsn)
+    sink = PostgresProjection.connect(settings.dsn, lock_timeout_ms=settings.pg_lock_timeout_ms)
     projector = BatchProjector(settings, sink, default_codec(), metrics)
     return create_app(settings, projector, registry), projector, sink
 

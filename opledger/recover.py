@@ -50,7 +50,12 @@ def build(settings: Settings, default_providers: str = "") -> tuple[Any, Recover
     from processors.recovery.worker import RecoveryWorker  # noqa: PLC0415
 
     registry = CollectorRegistry()
-    pool = open_pool(settings.dsn, name="opledger-recovery", max_size=40)
+    pool = open_pool(
+        settings.dsn,
+        name="opledger-recovery",
+        max_size=40,
+        lock_timeout_ms=settings.pg_lock_timeout_ms,
+    )
     transport = KafkaTransport(settings)
     history = HistoryReader(settings, pool, client_id="opledger-recovery-history")
     worker = RecoveryWorker(

@@ -415,7 +415,9 @@ class RecorderCore:
             transport = wrap_transport(transport)
         options = RecorderOptions(owns=[transport], metrics=metrics, providers=providers)
         if with_results:
-            pool = open_pool(settings.dsn, name="opledger-sdk")
+            pool = open_pool(
+                settings.dsn, name="opledger-sdk", lock_timeout_ms=settings.pg_lock_timeout_ms
+            )
             history = HistoryReader(settings, pool)
             policy, freshness = _policy_check(pool, settings)
             options.update(

@@ -155,7 +155,8 @@ _REFUSALS: tuple[type[BaseException], ...] = (
 # tried again, never split and dead-lettered.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
 
-#: How long a batch waits for a lock another session holds before it is paused and retried.
+#: How long a batch waits for a lock another session holds before it is paused and retried
+#: (OPLEDGER_PG_LOCK_TIMEOUT_MS).
 LOCK_TIMEOUT_MS = 30_000
 
 _ANOMALY_COLUMNS = (
