@@ -8,7 +8,6 @@ stores every row of a group, duplicates included, is
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -179,16 +178,26 @@ def test_a_caller_interrupted_while_waiting_does_not_leave_the_others_without_a_
     leader.start()
     assert commits.entered.wait(10)
 
+    main = threading.get_ident()
+
     def interrupt_when_queued() -> None:
         deadline = time.monotonic() + 10
         while not group._queue and time.monotonic() < deadline:
             time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGINT)
+        # To the main thread itself: os.kill lets the kernel pick any thread (librdkafka's,
+        # this one), and a main thread blocked on its latch would not wake to run the handler
+        # (failed once in CI: "DID NOT RAISE").
+        signal.pthread_kill(main, signal.SIGINT)
 
+    # Whatever an earlier test in this process left as SIGINT's handler, Python's own here.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = threading.Thread(target=interrupt_when_queued)
     interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        group.put(_result("interrupted"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            group.put(_result("interrupted"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     interrupter.join(10)
     commits.release.set()
     leader.join(10)
