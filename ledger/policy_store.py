@@ -432,6 +432,12 @@ class PolicyFreshness:
                 autocommit=True,
                 connect_timeout=int(_PROBE_TIMEOUT_S),
                 application_name="opledger-policy-freshness",
+                # A look that cannot finish is "cannot tell" (stale), never a caller held for as
+                # long as another session locks the offsets table.
+                options=(
+                    f"-c lock_timeout={int(_PROBE_TIMEOUT_S * 500)} "
+                    f"-c statement_timeout={int(_PROBE_TIMEOUT_S * 1000)}"
+                ),
             )
         try:
             rows = self._conn.execute(
