@@ -133,6 +133,8 @@ def create_app(
 
             def run() -> None:
                 outcome: BaseException | None = None
+                # The watchdog counts from here: faust's own start-up is not the loop's.
+                projector.health.beat()
                 try:
                     projector.run()
                 except BaseException as exc:  # reported to the event loop, which crashes
