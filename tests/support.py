@@ -81,6 +81,14 @@ def produce(
     return n
 
 
+def workload_events(count: int, seed: int) -> list[Transition]:
+    """The events of ``count`` operations of the demo's workload (``opledger.workload``), in
+    order: what services would append, repeats included."""
+    from opledger.workload import Workload  # noqa: PLC0415
+
+    return [e for op in Workload(seed=seed).operations(count) for e in op]
+
+
 def produce_raw(settings: Settings, topic: str, key: bytes | None, value: bytes | None) -> None:
     p = producer(settings)
     p.produce(topic, key=key, value=value)

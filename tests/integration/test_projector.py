@@ -27,15 +27,12 @@ from tests.support import (
     produce,
     produce_raw,
     project_in_process,
+    workload_events,
 )
 
 
-def _events(count: int, seed: int) -> list:
-    return [e for op in Workload(seed=seed).operations(count) for e in op]
-
-
 def test_projections_equal_the_independent_fold(isolated: Settings) -> None:
-    events = _events(1500, seed=11)
+    events = workload_events(1500, seed=11)
     produce(isolated, events)
     project_in_process(isolated)
     summary = assert_projection_matches(isolated, independent_fold(isolated))
@@ -46,7 +43,7 @@ def test_projections_equal_the_independent_fold(isolated: Settings) -> None:
 
 
 def test_redelivered_batch_changes_nothing(isolated: Settings) -> None:
-    events = _events(300, seed=3)
+    events = workload_events(300, seed=3)
     items = [
         SourcedEvent(
             Coordinates(
@@ -87,7 +84,7 @@ def test_redelivered_batch_changes_nothing(isolated: Settings) -> None:
 
 
 def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings) -> None:
-    good = _events(50, seed=5)
+    good = workload_events(50, seed=5)
     produce(isolated, good[: len(good) // 2])
     produce_raw(isolated, isolated.execution_topic, b"op_x", b"not avro at all")
     produce_raw(isolated, isolated.delivery_topic, b"op_y", b"\xc3\x01" + b"\x00" * 8 + b"body")
@@ -146,7 +143,7 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
 
 def test_lag_gauge_tracks_unprojected_records(isolated: Settings) -> None:
     settings = isolated.with_(projector_batch=50)
-    events = _events(100, seed=9)
+    events = workload_events(100, seed=9)
     produce(settings, events)
     registry = CollectorRegistry()
     sink = PostgresProjection.connect(settings.dsn)

@@ -31,11 +31,8 @@ from tests.support import (
     produce,
     project_in_process,
     read_all,
+    workload_events,
 )
-
-
-def _events(count: int, seed: int) -> list[Transition]:
-    return [e for op in Workload(seed=seed).operations(count) for e in op]
 
 
 def _dead_letter_records(settings: Settings) -> list[tuple[dict[str, bytes], bytes | None]]:
@@ -67,7 +64,7 @@ def test_records_the_database_refuses_are_isolated_and_everything_else_commits(
         conn.execute(
             "ALTER TABLE operation_history ADD CONSTRAINT no_poison CHECK (actor_id <> 'poison')"
         )
-    events = _events(600, seed=5)
+    events = workload_events(600, seed=5)
     poison_ops = {e.operation_id for e in events[::97]}
     events = [
         e.model_copy(update={"actor_id": "poison"}) if e.operation_id in poison_ops else e
@@ -103,7 +100,7 @@ def test_records_the_database_refuses_are_isolated_and_everything_else_commits(
 
 def test_nul_written_by_a_raw_producer_is_dead_lettered_not_fatal(isolated: Settings) -> None:
     codec = default_codec()
-    good = _events(50, seed=8)
+    good = workload_events(50, seed=8)
     first = good[0]
     assert isinstance(first, ExecutionTransitioned)
     # model_construct skips validation, as a foreign producer bypassing the SDK would.
@@ -138,7 +135,7 @@ def test_a_record_too_large_to_republish_is_dead_lettered_by_reference(
     )
     producer.produce(isolated.execution_topic, key=b"op_huge", value=huge)
     assert producer.flush(30) == 0
-    produce(isolated, _events(20, seed=9))
+    produce(isolated, workload_events(20, seed=9))
     project_in_process(isolated)
     summary = assert_projection_matches(isolated, independent_fold(isolated))
     assert summary["operations"] == 20 and summary["dead"] == 1
@@ -226,7 +223,7 @@ def test_the_projector_rides_out_its_database_connection_being_killed(
     stalls = 0
     try:
         for round_ in range(3):
-            produce(isolated, _events(100, seed=20 + round_))
+            produce(isolated, workload_events(100, seed=20 + round_))
             with psycopg.connect(isolated.dsn, autocommit=True) as admin:
                 admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -250,7 +247,7 @@ def test_a_record_on_the_wrong_partition_is_dead_lettered(isolated: Settings) ->
     """A producer with librdkafka's default partitioner (not murmur2) puts a correctly keyed
     record on another partition than its operation's other records: refused, so that a replay
     can never order it differently."""
-    intent, dispatched = [e for e in _events(1, seed=31)[0:2]]
+    intent, dispatched = [e for e in workload_events(1, seed=31)[0:2]]
     key = intent.operation_id.encode()
     home = partition_for(key, isolated.partitions)
     stray = (home + 1) % isolated.partitions

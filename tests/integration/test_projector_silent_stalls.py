@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import psycopg
+from confluent_kafka import Consumer
 from prometheus_client import CollectorRegistry
 
 from ledger.codec import default_codec
+from ledger.domain.events import Transition
 from ledger.metrics import Metrics
 from ledger.settings import Settings
-from opledger.workload import Workload
 from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
 from tests.support import (
@@ -35,11 +35,8 @@ from tests.support import (
     independent_fold,
     produce,
     wait_caught_up,
+    workload_events,
 )
-
-
-def _events(count: int, seed: int) -> list[Any]:
-    return [e for op in Workload(seed=seed).operations(count) for e in op]
 
 
 class _Running:
@@ -58,6 +55,18 @@ class _Running:
         self.thread = threading.Thread(target=self.projector.run, daemon=True)
         self.thread.start()
 
+    def caught_up_with(
+        self, settings: Settings, events: list[Transition]
+    ) -> tuple[float, Consumer]:
+        """Produce ``events`` and wait until they are projected; returns the reopens counted so
+        far (a bound this short may reopen once while the first fetch is slow) and the consumer
+        the projector reads with now."""
+        produce(settings, events)
+        wait_caught_up(settings, timeout=60)
+        consumer = self.projector._consumer
+        assert consumer is not None
+        return self.reopens(), consumer
+
     def reopens(self) -> float:
         return self.registry.get_sample_value("opledger_projector_consumer_reopens_total") or 0.0
 
@@ -70,15 +79,9 @@ class _Running:
 def test_a_consumer_that_stops_fetching_is_reopened_and_catches_up(isolated: Settings) -> None:
     running = _Running(isolated, fetch_stall_s=1.0)
     try:
-        produce(isolated, _events(200, seed=21))
-        wait_caught_up(isolated, timeout=60)
-        # (A bound this short may also reopen once while the first fetch is slow: counted from
-        # here.)
-        before = running.reopens()
-        consumer = running.projector._consumer
-        assert consumer is not None
+        before, consumer = running.caught_up_with(isolated, workload_events(200, seed=21))
         consumer.pause(consumer.assignment())  # the fetcher stops; nothing says so
-        produce(isolated, _events(200, seed=22))
+        produce(isolated, workload_events(200, seed=22))
         waited = wait_caught_up(isolated, timeout=60)
         assert running.reopens() - before == 1, running.reopens()
         assert running.projector._consumer is not consumer, "a new consumer"
@@ -93,10 +96,7 @@ def test_a_consumer_that_stops_fetching_is_reopened_and_catches_up(isolated: Set
 def test_an_idle_projector_with_nothing_waiting_keeps_its_consumer(isolated: Settings) -> None:
     running = _Running(isolated, fetch_stall_s=0.5)
     try:
-        produce(isolated, _events(20, seed=23))
-        wait_caught_up(isolated, timeout=60)
-        before = running.reopens()
-        consumer = running.projector._consumer
+        before, consumer = running.caught_up_with(isolated, workload_events(20, seed=23))
         time.sleep(3.0)  # six bounds with nothing to fetch
         assert caught_up(isolated)
         assert running.reopens() == before
@@ -110,11 +110,11 @@ def test_a_lock_another_session_holds_pauses_the_projector_visibly_then_it_catch
 ) -> None:
     running = _Running(isolated, lock_timeout_ms=300)
     try:
-        produce(isolated, _events(20, seed=24))
+        produce(isolated, workload_events(20, seed=24))
         wait_caught_up(isolated, timeout=60)
         with psycopg.connect(isolated.dsn) as analyst:
             analyst.execute("LOCK TABLE agent_operations IN ACCESS EXCLUSIVE MODE")
-            produce(isolated, _events(50, seed=25))
+            produce(isolated, workload_events(50, seed=25))
             deadline = time.monotonic() + 30
             while True:
                 health = running.projector.health.snapshot()
