@@ -191,3 +191,40 @@ def _murmur2_partition(key: bytes, partitions: int) -> int:
     h = (h * m) & mask
     h ^= h >> 15
     return (h & 0x7FFFFFFF) % partitions
+
+
+#: How long a consumer may fetch nothing before the broker is asked whether records wait.
+FETCH_STALL_S = 20.0
+
+
+def records_waiting(
+    consumer: Any, positions: dict[tuple[str, int], int], timeout: float = 2.0
+) -> list[str]:
+    """The partitions of ``positions`` (topic, partition -> next offset to read) whose end on
+    the broker, asked fresh (not the fetcher's cached watermarks), is beyond the position, as
+    ``topic[partition]: position < end``. Empty when the broker does not answer: whoever asks
+    learns that the broker is away by its own path.
+
+    Why ask: librdkafka's consumer now and then stops fetching after a broker restart, on
+    assigned and subscribed partitions alike, until it is recreated
+    (confluentinc/librdkafka#5153, #4492; fede1024/rust-rdkafka#597). It logs nothing and
+    fails nothing; only the broker can tell it apart from a quiet topic."""
+    from confluent_kafka import KafkaException, TopicPartition  # noqa: PLC0415
+
+    behind = []
+    try:
+        for (topic, partition), position in positions.items():
+            _low, high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=timeout, cached=False
+            )
+            if int(high) > position:
+                behind.append(f"{topic}[{partition}]: {position} < {int(high)}")
+    except KafkaException:
+        return []
+    return behind
+
+
+def listed(items: list[str], shown: int = 5) -> str:
+    """``items`` for a log line: the first ``shown``, then how many more."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more

@@ -26,6 +26,7 @@ class Metrics:
     projector_lag_records: Gauge
     projector_skipped_redelivered: Counter
     projector_consumer_reopens: Counter
+    delivery_outbox_rejoins: Counter
     execution_oldest_age_seconds: Gauge
     delivery_oldest_age_seconds: Gauge
     anomalies: Counter
@@ -119,6 +120,12 @@ class Metrics:
                 "opledger_projector_consumer_reopens_total",
                 "Times the projector reopened its Kafka consumer because records waited on the "
                 "broker while nothing was fetched (a stalled fetcher after a broker restart).",
+                registry=registry,
+            ),
+            delivery_outbox_rejoins=Counter(
+                "opledger_delivery_outbox_rejoins_total",
+                "Times the delivery worker left and joined its group again because SUCCEEDED "
+                "records waited on the broker while its outbox read nothing.",
                 registry=registry,
             ),
             execution_oldest_age_seconds=Gauge(

@@ -48,7 +48,14 @@ from ledger.codec import Codec, DecodeError
 from ledger.dead_letters import by_reference, dead_letter_headers, needs_reference
 from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
-from ledger.kafka import consumer_config, partition_for, producer_config
+from ledger.kafka import (
+    FETCH_STALL_S,
+    consumer_config,
+    listed,
+    partition_for,
+    producer_config,
+    records_waiting,
+)
 from ledger.metrics import Metrics
 from ledger.records import (
     Coordinates,
@@ -214,7 +221,7 @@ class BatchProjector:
         clock: Callable[[], float] = time.time,
         *,
         max_backoff_s: float = 5.0,
-        fetch_stall_s: float = 20.0,
+        fetch_stall_s: float = FETCH_STALL_S,
     ) -> None:
         self._settings = settings
         self._config = reader_config(settings)
@@ -579,7 +586,7 @@ class BatchProjector:
             "projector fetched nothing for %.0fs while records wait on the broker (%s); "
             "reopening its consumer from the stored positions",
             self._fetch_stall_s,
-            ", ".join(behind[:5]) + (f" and {len(behind) - 5} more" if len(behind) > 5 else ""),
+            listed(behind),
         )
         self._metrics.projector_consumer_reopens.inc()
         self._fetch_stall_s = min(self._fetch_stall_s * 2, 600.0)
@@ -590,30 +597,22 @@ class BatchProjector:
         self._consumer = self._open_patiently()
 
     def _records_waiting(self) -> list[str]:
-        """Partitions the broker holds records for beyond what this projector has read
-        (``topic[partition]: position < end``), asked fresh, not from the fetcher's cache;
-        a delivery partition held on purpose counts only once what it waits for cannot come."""
+        """Partitions the broker holds records for beyond what this projector has read; a
+        delivery partition held on purpose counts only once what it waits for cannot come."""
         assert self._consumer is not None
-        ends: dict[tuple[str, int], int] = {}
-        try:
-            for key in self._positions:
-                _low, high = self._consumer.get_watermark_offsets(
-                    TopicPartition(*key), timeout=2, cached=False
-                )
-                ends[key] = int(high)
-        except KafkaException:
-            return []  # the broker is not answering: the unreachable path says so
-        behind = []
+        asked: dict[tuple[str, int], int] = {}
         for (topic, partition), position in self._positions.items():
             needed = self._waiting.get((topic, partition))
             if needed is not None:
-                execution = (self._config.execution_topic, partition)
-                read_all = self._positions.get(execution, 0) >= ends.get(execution, 0)
-                if not (read_all and needed > self._positions.get(execution, 0)):
-                    continue  # held until its execution partition is read that far
-            if ends[(topic, partition)] > position:
-                behind.append(f"{topic}[{partition}]: {position} < {ends[(topic, partition)]}")
-        return behind
+                execution = self._positions.get((self._config.execution_topic, partition), 0)
+                # Held until its execution partition is read that far, which it still can be
+                # while that partition has records to read; otherwise it is held for nothing.
+                if needed > execution and records_waiting(
+                    self._consumer, {(self._config.execution_topic, partition): execution}
+                ):
+                    continue
+            asked[(topic, partition)] = position
+        return records_waiting(self._consumer, asked)
 
     def _wait_backoff(self) -> None:
         self._backoff_s = min(max(self._backoff_s * 2, 0.1), self._max_backoff_s)

@@ -191,6 +191,7 @@ class SteppedDeliveryRig:
         actor: str,
         secret: str,
         webhook_timeout_ms: int = 5000,
+        outbox_stall_s: float = 20.0,
     ) -> None:
         self.settings = settings
         self.tool, self.actor, self.secret = tool, actor, secret
@@ -214,6 +215,7 @@ class SteppedDeliveryRig:
             metrics=self.metrics,
             retry=RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
             unit_random=lambda: 0.5,
+            outbox_stall_s=outbox_stall_s,
         )
         self.worker.join()
         self.sink = PostgresProjection.connect(settings.dsn)

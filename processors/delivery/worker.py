@@ -65,7 +65,13 @@ from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader
-from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config
+from ledger.kafka import (
+    FETCH_STALL_S,
+    MESSAGE_MAX_BYTES,
+    consumer_config,
+    listed,
+    records_waiting,
+)
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.policy_store import PolicyFreshness, PolicyViewStaleError
@@ -184,6 +190,7 @@ class DeliveryWorker:
         codec: Codec | None = None,
         retry: RetryPolicy | None = None,
         unit_random: Callable[[], float] = random.random,
+        outbox_stall_s: float = FETCH_STALL_S,
     ) -> None:
         self._settings = settings
         self._pool = pool
@@ -203,6 +210,8 @@ class DeliveryWorker:
         self._stopping = threading.Event()
         self._consumer: Consumer | None = None
         self._assigned: set[int] = set()
+        #: partition -> when it was assigned (a partition just assigned is not stalled)
+        self._assigned_at: dict[int, float] = {}
         #: (operation id, destination) -> the record as this worker last appended it
         self._known: OrderedDict[tuple[str, str], tuple[DeliveryRecord, ExecutionRecord]] = (
             OrderedDict()
@@ -216,6 +225,11 @@ class DeliveryWorker:
         self._in_flight: _InFlight | None = None
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
+        #: nothing read from the outbox for this long: ask the broker whether records wait
+        #: (doubled after a rejoin that brought nothing)
+        self._outbox_stall_base_s = outbox_stall_s
+        self._outbox_stall_s = outbox_stall_s
+        self._outbox_read_at = time.monotonic()
         self.health = Health("delivery worker")
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -279,6 +293,7 @@ class DeliveryWorker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_assign(partitions)
         self._assigned |= {p.partition for p in partitions}
+        self._assigned_at.update((p.partition, time.monotonic()) for p in partitions)
         self.health.partitions = tuple(sorted(self._assigned))
         log.info("delivery worker now looks after partitions %s", sorted(self._assigned))
 
@@ -338,6 +353,11 @@ class DeliveryWorker:
     def _outbox(self, wait: float) -> list[_Item]:
         assert self._consumer is not None
         messages = self._consumer.consume(num_messages=OUTBOX_BATCH, timeout=wait)
+        if messages:
+            self._outbox_read_at = time.monotonic()
+            self._outbox_stall_s = self._outbox_stall_base_s
+        else:
+            self._check_outbox()
         positions: dict[tuple[str, int], int] = {}
         succeeded: dict[str, str] = {}
         for message in messages:
@@ -375,6 +395,59 @@ class DeliveryWorker:
                 # A rebalance took the partition: its next owner derives the same PENDINGs.
                 log.info("outbox position not committed (%s); the next reader repeats it", exc)
         return fresh
+
+    def _check_outbox(self) -> None:
+        """Nothing read for a while: ask the broker whether SUCCEEDED records wait beyond this
+        worker's positions. If they do, its consumer stopped fetching (it says nothing): leave
+        the group and join again, reading from the committed positions, as a restarted worker
+        would; the deliveries of what was read twice are recognised, not opened again."""
+        now = time.monotonic()
+        if self._consumer is None or now - self._outbox_read_at < self._outbox_stall_s:
+            return
+        self._outbox_read_at = now  # one look per bound
+        assignment = self._consumer.assignment()
+        if not assignment:
+            return
+        behind = records_waiting(self._consumer, self._outbox_positions(assignment))
+        if not behind:
+            return
+        log.warning(
+            "delivery worker read nothing from its outbox for %.0fs while records wait on the "
+            "broker (%s); leaving and joining its group again",
+            self._outbox_stall_s,
+            listed(behind),
+        )
+        self._metrics.delivery_outbox_rejoins.inc()
+        self._outbox_stall_s = min(self._outbox_stall_s * 2, 600.0)
+        self._drain("rejoining the group")
+        consumer, self._consumer = self._consumer, None
+        consumer.close()
+        self._assigned.clear()
+        self._known.clear()
+        self._timers.clear()
+        self.health.partitions = ()
+        self.join()
+
+    def _outbox_positions(self, assignment: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        """Where the outbox reads next on each assigned partition: the consumer's position, or,
+        on a partition it has read nothing from since it was assigned longer than the bound
+        ago, the committed offset (a partition just assigned may simply be starting)."""
+        assert self._consumer is not None
+        positions: dict[tuple[str, int], int] = {}
+        unread: list[TopicPartition] = []
+        settled = time.monotonic() - self._outbox_stall_s
+        for tp in self._consumer.position(assignment):
+            if tp.offset >= 0:
+                positions[(tp.topic, tp.partition)] = tp.offset
+            elif self._assigned_at.get(tp.partition, settled) <= settled:
+                unread.append(TopicPartition(tp.topic, tp.partition))
+        if unread:
+            try:
+                for tp in self._consumer.committed(unread, timeout=2):
+                    positions[(tp.topic, tp.partition)] = max(tp.offset, 0)
+            except KafkaException:
+                pass  # not asked about now: the next look tries again
+        return positions
 
     def _rewind(self, messages: Sequence[Message]) -> None:
         """Seek each partition of ``messages`` back to its first record in them."""
