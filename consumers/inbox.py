@@ -44,6 +44,7 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from consumers.contract import Event
 from ledger import migrate
 from ledger.pg import (
+    LOCK_TIMEOUT_MS,
     SESSION_OPTIONS,
     DatabaseError,
     DatabaseUnavailableError,
@@ -224,8 +225,12 @@ def _refused(fresh: list[Event], outcomes: list[str]) -> list[str]:
     return [e.operation_id for e, o in zip(fresh, outcomes, strict=True) if o == "refused"]
 
 
-def open_async_pool(dsn: str, *, name: str, max_size: int = 4) -> AsyncConnectionPool[Any]:
-    """An asyncio pool of autocommit connections, not yet open (``await pool.open()``)."""
+def open_async_pool(
+    dsn: str, *, name: str, max_size: int = 4, lock_timeout_ms: int = LOCK_TIMEOUT_MS
+) -> AsyncConnectionPool[Any]:
+    """An asyncio pool of autocommit connections, not yet open (``await pool.open()``). A
+    statement waits at most ``lock_timeout_ms`` for a lock another session holds: a sender
+    hears 503 and tries again, rather than every request waiting on the lock."""
     return AsyncConnectionPool(
         dsn,
         min_size=1,
@@ -234,7 +239,7 @@ def open_async_pool(dsn: str, *, name: str, max_size: int = 4) -> AsyncConnectio
             "autocommit": True,
             "connect_timeout": 5,
             "application_name": name,
-            "options": SESSION_OPTIONS,
+            "options": f"{SESSION_OPTIONS} -c lock_timeout={int(lock_timeout_ms)}",
         },
         open=False,
         name=name,

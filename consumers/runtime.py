@@ -72,7 +72,10 @@ class ConsumerRuntime:
         self.registry = registry or CollectorRegistry()
         self.metrics = ConsumerMetrics.create(self.registry)
         self.pool: ConnectionPool[Any] = open_pool(
-            settings.consumer_dsn, name=f"opledger-consumer-{self.name}", max_size=pool_size
+            settings.consumer_dsn,
+            name=f"opledger-consumer-{self.name}",
+            max_size=pool_size,
+            lock_timeout_ms=settings.pg_lock_timeout_ms,
         )
         labels = (self.name,)
         self.publisher = KeyStorePublisher(
@@ -119,6 +122,7 @@ class ConsumerRuntime:
             self.settings.consumer_dsn,
             name=f"opledger-consumer-{self.name}",
             max_size=connections,
+            lock_timeout_ms=self.settings.pg_lock_timeout_ms,
         )
         await pool.open(wait=False)
         return Inbox(self.name, pool, self.change)

@@ -909,6 +909,30 @@ def test_the_receiver_says_503_while_its_database_is_away_and_learns_by_itself_i
     assert changes_per_operation(consumer_settings) == Counter({op: 1})
 
 
+def test_a_locked_inbox_is_503_for_its_sender_not_a_request_held_for_ever(
+    consumer_settings: Settings,
+) -> None:
+    """Another session's lock on the inbox (an analyst's LOCK TABLE in an open transaction)
+    held every POST for as long as the lock was held; the sender's own timeout then fired and
+    its retries piled up behind the same lock. Now the write gives up after
+    OPLEDGER_PG_LOCK_TIMEOUT_MS and the sender hears 503; once the lock is gone, the same
+    POST is accepted and applied once (decision 025)."""
+    running = RunningReceiver(consumer_settings.with_(pg_lock_timeout_ms=200))
+    op = new_op_id()
+    try:
+        with psycopg.connect(consumer_settings.consumer_dsn) as analyst:
+            analyst.execute("LOCK TABLE consumer_inbox IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            assert_problem(send(running.url, op), 503, "unavailable")
+            took = time.monotonic() - started
+            analyst.rollback()
+        assert took < 25, f"held the request {took:.1f}s"
+        assert send(running.url, op).status == 202
+    finally:
+        running.stop()
+    assert changes_per_operation(consumer_settings) == Counter({op: 1})
+
+
 # --- the queue side ------------------------------------------------------------------------------
 
 
