@@ -228,3 +228,32 @@ def listed(items: list[str], shown: int = 5) -> str:
     """``items`` for a log line: the first ``shown``, then how many more."""
     more = f" and {len(items) - shown} more" if len(items) > shown else ""
     return ", ".join(items[:shown]) + more
+
+
+class FetchStallClock:
+    """When a consumer that has fetched nothing should ask the broker whether records wait
+    (:func:`records_waiting`): once per ``bound_s`` without a record; the bound doubles after a
+    remedy that brought nothing (up to 10 minutes), so a tail the fetcher rightly never returns
+    costs a request now and then, not a loop of remedies."""
+
+    def __init__(self, bound_s: float = FETCH_STALL_S) -> None:
+        self._base_s = bound_s
+        self.bound_s = bound_s
+        self._since = time.monotonic()
+
+    def arrived(self) -> None:
+        """Records came: the fetcher works."""
+        self._since = time.monotonic()
+        self.bound_s = self._base_s
+
+    def look_due(self) -> bool:
+        """True at most once per bound without a record: time to ask the broker."""
+        now = time.monotonic()
+        if now - self._since < self.bound_s:
+            return False
+        self._since = now
+        return True
+
+    def remedied(self) -> None:
+        """The consumer was recreated; if that brings nothing either, wait longer to look."""
+        self.bound_s = min(self.bound_s * 2, 600.0)

@@ -50,6 +50,7 @@ from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
 from ledger.kafka import (
     FETCH_STALL_S,
+    FetchStallClock,
     consumer_config,
     listed,
     partition_for,
@@ -246,11 +247,7 @@ class BatchProjector:
         #: paused delivery (topic, partition) -> execution position it waits for
         self._waiting: dict[tuple[str, int], int] = {}
         self._kafka_checked_at = 0.0
-        #: how long nothing may arrive before the broker is asked whether records wait; doubled
-        #: after a reopen that brought nothing (a tail the fetcher may rightly never return)
-        self._fetch_stall_base_s = fetch_stall_s
-        self._fetch_stall_s = fetch_stall_s
-        self._fetched_at = time.monotonic()
+        self._fetch_stall = FetchStallClock(fetch_stall_s)
         self.health = Health("projector", unit="batches")
 
     @property
@@ -355,8 +352,7 @@ class BatchProjector:
             self._report_lag()
             self._report_open_ages()
             if messages:
-                self._fetched_at = time.monotonic()
-                self._fetch_stall_s = self._fetch_stall_base_s
+                self._fetch_stall.arrived()
             reads = self._decode(messages)
             if not reads:
                 self.health.beat()
@@ -575,21 +571,19 @@ class BatchProjector:
         the positions stored with the rows: exactly what a restarted projector would read."""
         if self._kafka_down is not None or self._consumer is None:
             return
-        now = time.monotonic()
-        if now - self._fetched_at < self._fetch_stall_s:
+        if not self._fetch_stall.look_due():
             return
-        self._fetched_at = now  # one look per bound
         behind = self._records_waiting()
         if not behind:
             return
         log.warning(
             "projector fetched nothing for %.0fs while records wait on the broker (%s); "
             "reopening its consumer from the stored positions",
-            self._fetch_stall_s,
+            self._fetch_stall.bound_s,
             listed(behind),
         )
         self._metrics.projector_consumer_reopens.inc()
-        self._fetch_stall_s = min(self._fetch_stall_s * 2, 600.0)
+        self._fetch_stall.remedied()
         self._close_clients()
         self._waiting.clear()
         self._execution_ends.clear()

@@ -68,6 +68,7 @@ from ledger.history import HistoryError, HistoryReader
 from ledger.kafka import (
     FETCH_STALL_S,
     MESSAGE_MAX_BYTES,
+    FetchStallClock,
     consumer_config,
     listed,
     records_waiting,
@@ -225,11 +226,7 @@ class DeliveryWorker:
         self._in_flight: _InFlight | None = None
         self._counters: dict[tuple[str, str], Any] = {}
         self._latencies: dict[str, Any] = {}
-        #: nothing read from the outbox for this long: ask the broker whether records wait
-        #: (doubled after a rejoin that brought nothing)
-        self._outbox_stall_base_s = outbox_stall_s
-        self._outbox_stall_s = outbox_stall_s
-        self._outbox_read_at = time.monotonic()
+        self._outbox_stall = FetchStallClock(outbox_stall_s)
         self.health = Health("delivery worker")
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -354,8 +351,7 @@ class DeliveryWorker:
         assert self._consumer is not None
         messages = self._consumer.consume(num_messages=OUTBOX_BATCH, timeout=wait)
         if messages:
-            self._outbox_read_at = time.monotonic()
-            self._outbox_stall_s = self._outbox_stall_base_s
+            self._outbox_stall.arrived()
         else:
             self._check_outbox()
         positions: dict[tuple[str, int], int] = {}
@@ -401,10 +397,8 @@ class DeliveryWorker:
         worker's positions. If they do, its consumer stopped fetching (it says nothing): leave
         the group and join again, reading from the committed positions, as a restarted worker
         would; the deliveries of what was read twice are recognised, not opened again."""
-        now = time.monotonic()
-        if self._consumer is None or now - self._outbox_read_at < self._outbox_stall_s:
+        if self._consumer is None or not self._outbox_stall.look_due():
             return
-        self._outbox_read_at = now  # one look per bound
         assignment = self._consumer.assignment()
         if not assignment:
             return
@@ -414,11 +408,11 @@ class DeliveryWorker:
         log.warning(
             "delivery worker read nothing from its outbox for %.0fs while records wait on the "
             "broker (%s); leaving and joining its group again",
-            self._outbox_stall_s,
+            self._outbox_stall.bound_s,
             listed(behind),
         )
         self._metrics.delivery_outbox_rejoins.inc()
-        self._outbox_stall_s = min(self._outbox_stall_s * 2, 600.0)
+        self._outbox_stall.remedied()
         self._drain("rejoining the group")
         consumer, self._consumer = self._consumer, None
         consumer.close()
@@ -435,7 +429,7 @@ class DeliveryWorker:
         assert self._consumer is not None
         positions: dict[tuple[str, int], int] = {}
         unread: list[TopicPartition] = []
-        settled = time.monotonic() - self._outbox_stall_s
+        settled = time.monotonic() - self._outbox_stall.bound_s
         for tp in self._consumer.position(assignment):
             if tp.offset >= 0:
                 positions[(tp.topic, tp.partition)] = tp.offset
