@@ -584,6 +584,10 @@ class BatchProjector:
         )
         self._metrics.projector_consumer_reopens.inc()
         self._fetch_stall.remedied()
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """A new consumer (and dead-letter producer) from the positions stored with the rows."""
         self._close_clients()
         self._waiting.clear()
         self._execution_ends.clear()
