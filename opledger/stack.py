@@ -712,22 +712,13 @@ def _write_pg_owned(path: Path, text: str) -> None:
 
     The data directory belongs to PG_USER, so as root anything in it may have been replaced by
     a symlink (say, to /etc/passwd): writing or chowning through it would hand that file to
-    PG_USER. A new file (O_EXCL never follows a link) is renamed over the name instead, which
-    replaces a link rather than following it.
+    PG_USER; :func:`supervisor.write_atomically` renames a new file over the name instead.
     """
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "w") as out:
-            if _is_root():
-                entry = pwd.getpwnam(PG_USER)
-                os.fchown(out.fileno(), entry.pw_uid, entry.pw_gid)
-            out.write(text)
-        partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    owner = None
+    if _is_root():
+        entry = pwd.getpwnam(PG_USER)
+        owner = (entry.pw_uid, entry.pw_gid)
+    supervisor.write_atomically(path, text, owner)
 
 
 def _postmaster_file(settings: Settings) -> Path:

@@ -151,13 +151,22 @@ def worker_log(settings: Settings, name: str) -> Path:
     return settings.home / "logs" / f"{name}.log"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` by rename, so a reader sees the old or the new content, never a mix."""
+def write_atomically(path: Path, text: str, owner: tuple[int, int] | None = None) -> None:
+    """Replace ``path`` by rename, so a reader sees the old or the new content, never a mix,
+    optionally owned by ``owner`` (uid, gid).
+
+    The partial file is new (O_EXCL never follows a link) and renamed over the name, which
+    replaces a symlink planted there rather than writing or chowning through it."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.unlink(missing_ok=True)
     try:
-        partial.write_text(text)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as out:
+            if owner is not None:
+                os.fchown(out.fileno(), *owner)
+            out.write(text)
         partial.replace(path)
-    except OSError:
+    except BaseException:
         # A full disk fails the write: leave no partial file to fill it further.
         partial.unlink(missing_ok=True)
         raise

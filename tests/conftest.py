@@ -19,6 +19,8 @@ from hypothesis import settings as hypothesis_settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from ledger.pg import open_pool
+from ledger.policy_store import PolicyStore
 from ledger.settings import Settings
 from ledger.topics import ensure_topics
 from opledger import db, stack
@@ -106,3 +108,13 @@ def module_isolated(stack_settings: Settings) -> Iterator[Settings]:
     fixture wrote, never for tests that write."""
     with _isolated(stack_settings) as settings:
         yield settings
+
+
+@pytest.fixture
+def store(isolated: Settings) -> Iterator[PolicyStore]:
+    """A policy store on the isolated database."""
+    pool = open_pool(isolated.dsn, name="policy-test", max_size=2)
+    try:
+        yield PolicyStore(pool)
+    finally:
+        pool.close()

@@ -12,13 +12,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
@@ -67,15 +65,6 @@ def _write_raw(settings: Settings, topic: str, key: bytes | None, value: bytes |
     producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
     producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
-
-
-@pytest.fixture
-def store(isolated: Settings) -> Iterator[PolicyStore]:
-    pool = open_pool(isolated.dsn, name="policy-test", max_size=2)
-    try:
-        yield PolicyStore(pool)
-    finally:
-        pool.close()
 
 
 def _ask(

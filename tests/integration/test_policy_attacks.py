@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,7 +32,6 @@ from ledger.domain.policy import (
 )
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.metrics import Metrics
-from ledger.pg import open_pool
 from ledger.policy_store import PolicyFreshness, PolicyStore, read_current
 from ledger.settings import Settings
 from ledger.tools import ProviderTerms
@@ -93,15 +92,6 @@ def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
-
-
-@pytest.fixture
-def store(isolated: Settings) -> Iterator[PolicyStore]:
-    pool = open_pool(isolated.dsn, name="policy-attacks", max_size=2)
-    try:
-        yield PolicyStore(pool)
-    finally:
-        pool.close()
 
 
 # -- 1. staleness ---------------------------------------------------------------------------------
