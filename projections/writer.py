@@ -41,7 +41,7 @@ from ledger.domain.fold import (
     apply_execution,
 )
 from ledger.domain.policy import PolicyChange
-from ledger.pg import SESSION_OPTIONS
+from ledger.pg import LOCK_TIMEOUT_MS, SESSION_OPTIONS
 from ledger.records import (
     DeadLetter,
     OpenAges,
@@ -154,10 +154,6 @@ _REFUSALS: tuple[type[BaseException], ...] = (
 # A lock timeout (LockNotAvailable) is an OperationalError too: a batch that waited too long is
 # tried again, never split and dead-lettered.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
-
-#: How long a batch waits for a lock another session holds before it is paused and retried
-#: (OPLEDGER_PG_LOCK_TIMEOUT_MS).
-LOCK_TIMEOUT_MS = 30_000
 
 _ANOMALY_COLUMNS = (
     "topic",
