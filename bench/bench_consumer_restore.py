@@ -42,8 +42,8 @@ from consumers.keystore import (
     restore,
 )
 from ledger.domain.ids import operation_id
+from ledger.log import end_offsets
 from ledger.settings import Settings
-from ledger.topics import end_offsets
 
 
 def rss_bytes() -> int:

@@ -49,13 +49,12 @@ from ledger.domain.ids import content_ref, event_id, operation_id, request_hash
 from ledger.domain.states import ExecutionState
 from ledger.heap import freeze_startup_heap
 from ledger.history import HistoryReader
+from ledger.log import KafkaTransport, end_offsets
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.topics import end_offsets
-from ledger.transport import KafkaTransport
 from processors.delivery.payload import Delivery, webhook_headers
 from processors.delivery.senders import WebhookSend, WebhookSender
 from processors.delivery.worker import SEND_BATCH, DeliveryWorker

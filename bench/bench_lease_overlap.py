@@ -30,9 +30,9 @@ from typing import Any
 from bench_sdk_calls import leased_call, recorder_call
 from benchenv import isolated
 from ledger.leases import LeaseStore, process_identity
+from ledger.log import KafkaTransport, OutgoingRecord, Positions, SplitTransport
 from ledger.pg import open_pool
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport, OutgoingRecord, Positions, SplitTransport
 from producers import ResultStore, TransitionRecorder
 
 

@@ -42,6 +42,7 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
+from ledger.log import end_offsets
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, SourcedEvent
 
@@ -51,7 +52,6 @@ from ledger.rows import OP_COLUMNS as _OP_COLUMNS
 from ledger.rows import delivery_row as _delivery_row
 from ledger.rows import execution_row as _op_row
 from ledger.settings import Settings
-from ledger.topics import end_offsets
 from opledger.workload import Workload
 from processors.batch_reader import BatchProjector
 from projections.schema import apply_migrations

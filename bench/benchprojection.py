@@ -13,10 +13,9 @@ from ledger.codec import default_codec
 from ledger.domain import ids
 from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import PolicyChange
+from ledger.log import KafkaTransport, OutgoingRecord, end_offsets
 from ledger.metrics import Metrics
 from ledger.settings import Settings
-from ledger.topics import end_offsets
-from ledger.transport import KafkaTransport, OutgoingRecord
 from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
 

@@ -25,7 +25,6 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
-    Producer,
     TopicPartition,
 )
 
@@ -37,10 +36,10 @@ from ledger.dead_letters import (
     own_headers,
     source_of,
 )
-from ledger.kafka import MESSAGE_MAX_BYTES, consumer_config, producer_config
+from ledger.kafka import MESSAGE_MAX_BYTES
+from ledger.log import new_consumer, new_producer, watermarks
 from ledger.records import Coordinates, DeadLetter
 from ledger.settings import Settings
-from ledger.topics import watermarks
 
 log = logging.getLogger("opledger.consumer.dead_letters")
 
@@ -71,12 +70,8 @@ class QueueDeadLetters:
         self.topic = settings.consumer_dead_letter_topic
         self._consumer = consumer.encode()
         self._timeout_s = timeout_s
-        self._producer = Producer(
-            producer_config(
-                settings,
-                client_id=f"opledger-consumer-dlq-{consumer}",
-                delivery_timeout_s=timeout_s,
-            )
+        self._producer = new_producer(
+            settings, client_id=f"opledger-consumer-dlq-{consumer}", delivery_timeout_s=timeout_s
         )
 
     def publish(self, letters: Sequence[tuple[DeadLetter, str]]) -> None:
@@ -171,13 +166,12 @@ def redrive(
     ]
     wanted += [(c, m, [*_raw_headers(m)]) for c, m in read_back.items()]
     largest = max((len(m.key() or b"") + len(m.value() or b"") for _c, m, _h in wanted), default=0)
-    producer = Producer(
-        {
-            **producer_config(settings, client_id="opledger-consumer-redrive"),
-            # A record read back was taken by its topic, which may accept more than the
-            # producer's default: the broker, not this client, decides.
-            "message.max.bytes": max(MESSAGE_MAX_BYTES, largest + _RECORD_OVERHEAD_BYTES),
-        }
+    producer = new_producer(
+        settings,
+        client_id="opledger-consumer-redrive",
+        # A record read back was taken by its topic, which may accept more than the
+        # producer's default: the broker, not this client, decides.
+        overrides={"message.max.bytes": max(MESSAGE_MAX_BYTES, largest + _RECORD_OVERHEAD_BYTES)},
     )
     failures: list[KafkaError] = []
 
@@ -214,13 +208,8 @@ def _read_back(
     missing: dict[Coordinates, str] = {}
     if not letters:
         return found, missing
-    reader = Consumer(
-        {
-            **consumer_config(
-                settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
-            ),
-            "enable.auto.commit": False,
-        }
+    reader = new_consumer(
+        settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
     )
     try:
         for source, letter in sorted(letters.items()):
@@ -296,13 +285,8 @@ def _letters_of(
     """The dead letters of ``source_topic`` (narrowed by ``kinds`` and ``at``), by source
     coordinates, the first copy of each."""
     topic = settings.consumer_dead_letter_topic
-    reader = Consumer(
-        {
-            **consumer_config(
-                settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
-            ),
-            "enable.auto.commit": False,
-        }
+    reader = new_consumer(
+        settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
     )
     try:
         partitions = reader.list_topics(topic, timeout=timeout_s).topics[topic].partitions

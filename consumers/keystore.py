@@ -33,16 +33,15 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
-    Producer,
     TopicPartition,
 )
 from psycopg_pool import ConnectionPool
 
 from ledger.domain.ids import OPERATION_ID_RE, canonical_json
-from ledger.kafka import consumer_config, partition_for, producer_config
+from ledger.kafka import partition_for, producer_config
+from ledger.log import new_consumer, producer_from, watermarks
 from ledger.pg import DatabaseError, DatabaseUnavailableError, retrying
 from ledger.settings import Settings
-from ledger.topics import watermarks
 
 log = logging.getLogger("opledger.consumer.keystore")
 
@@ -208,16 +207,16 @@ def restore(
     ``consumer``'s keys in ``view``. Other consumers' records are skipped by their key alone."""
     started = time.monotonic()
     topic = settings.consumer_keys_topic
-    config = consumer_config(
+    reader = new_consumer(
         settings,
         # Never joins or commits: assign() only. A group id is still required by librdkafka.
         group_id=f"{settings.topic_prefix}-keystore-restore",
         client_id=f"opledger-keystore-restore-{consumer}",
+        # Larger fetches than librdkafka's 1 MB per partition: fewer round trips for a read
+        # that only ever goes to the end (bench/bench_consumer_restore.py gives its baseline
+        # the same).
+        overrides=RESTORE_FETCH,
     )
-    # Larger fetches than librdkafka's 1 MB per partition: fewer round trips for a read that
-    # only ever goes to the end (bench/bench_consumer_restore.py gives its baseline the same).
-    config.update(RESTORE_FETCH)
-    reader = Consumer(config)
     prefix = f"{consumer}/".encode()
     cut = len(prefix)
     keys = view._keys  # the hot loop writes the dict directly
@@ -332,7 +331,7 @@ class KeyStorePublisher:
         on_failure: Callable[[], None] = lambda: None,
         sweep_interval_s: float = 5.0,
         sweep_grace_s: float = 5.0,
-        producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+        producer_factory: Callable[[dict[str, Any]], Any] = producer_from,
     ) -> None:
         self._topic = settings.consumer_keys_topic
         self._partitions = settings.partitions

@@ -44,7 +44,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from consumers.contract import (
     IDEMPOTENCY_HEADER,
@@ -68,7 +68,7 @@ from consumers.fetch import ResultFetcher
 from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
 from ledger.faults import fault_point
-from ledger.kafka import consumer_config
+from ledger.log import new_consumer
 from ledger.pg import DatabaseError, DatabaseUnavailableError
 from ledger.records import Coordinates, DeadLetter
 
@@ -246,16 +246,14 @@ class QueueConsumer:
             log.info("queue: old hold clocks not deleted: %s", exc)
         if self._fetcher is not None:
             self._loop.run_until_complete(self._fetcher.start())
-        config = consumer_config(
+        self._consumer = new_consumer(
             self.runtime.settings,
             group_id=self.group_id,
             client_id=f"opledger-consumer-queue-{self.runtime.name}",
+            # A crashed member holds its partitions until its session times out (librdkafka:
+            # 45 s); its redelivered records are deduplicated anyway, so hand them over sooner.
+            overrides={"session.timeout.ms": 10_000, **self._kafka_config},
         )
-        # A crashed member holds its partitions until its session times out (librdkafka: 45 s);
-        # its redelivered records are deduplicated anyway, so hand them over sooner.
-        config["session.timeout.ms"] = 10_000
-        config.update(self._kafka_config)
-        self._consumer = Consumer(config)
         self._consumer.subscribe(
             [self.topic],
             on_assign=self._on_assign,

@@ -31,20 +31,19 @@ from ledger.domain.fold import (
     apply_delivery,
     apply_execution,
 )
-from ledger.kafka import consumer_config, partition_for
+from ledger.kafka import partition_for
+from ledger.log import LogUnavailableError, latest_offsets, new_consumer
 from ledger.pg import retrying
 from ledger.rows import DELIVERY_COLUMNS, OP_COLUMNS, columns, delivery_from_row, execution_from_row
 from ledger.settings import Settings
-from ledger.topics import watermarks
 
-#: ListOffsets' timestamp for "the latest offset" (Kafka's protocol; librdkafka passes it on).
-_LATEST = -1
 #: How long a tail read may take before the reader gives up (the broker is away, say).
 TAIL_TIMEOUT_S = 30.0
 
 
 class HistoryError(RuntimeError):
-    """The tail of the log could not be read (the broker did not answer in time)."""
+    """The tail of the log could not be read: the broker did not answer in time, or its
+    partitions' leadership did not settle within :data:`TAIL_TIMEOUT_S`."""
 
 
 @dataclass(slots=True)
@@ -217,8 +216,12 @@ class HistoryReader:
         position each partition was read up to."""
         consumer = self._open()
         try:
-            latest = self._latest(
-                consumer, [key for key in start if upto is None or upto.get(key) is None]
+            deadline = time.monotonic() + TAIL_TIMEOUT_S
+            latest = latest_offsets(
+                consumer,
+                [key for key in start if upto is None or upto.get(key) is None],
+                deadline,
+                bootstrap=self._settings.bootstrap_servers,
             )
             ends: dict[tuple[str, int], int] = {}
             reached = dict(start)
@@ -238,7 +241,6 @@ class HistoryReader:
             # more than the tail still holds returns as soon as it is read, instead of waiting
             # out the timeout on every call (0.2 s under every load with a short tail).
             unread = sum(end - start[key] for key, end in ends.items())
-            deadline = time.monotonic() + TAIL_TIMEOUT_S
             while remaining:
                 if time.monotonic() > deadline:
                     raise HistoryError(f"the log's tail was not read within {TAIL_TIMEOUT_S}s")
@@ -246,6 +248,8 @@ class HistoryReader:
                 unread -= len(batch)
                 for message in batch:
                     if message.error() is not None:
+                        # A fetch error (a leader moving) is the client's to retry; the
+                        # records come once it has; the deadline bounds the wait.
                         continue
                     key = (str(message.topic()), int(message.partition() or 0))
                     offset = int(message.offset() or 0)
@@ -267,39 +271,19 @@ class HistoryReader:
                         continue
                     events.append(event)
             return events, reached
-        except KafkaException as exc:
+        except LogUnavailableError as exc:
             raise HistoryError(f"the log's tail could not be read: {exc}") from exc
+        except KafkaException as exc:
+            raise HistoryError(
+                f"the log's tail could not be read from {self._settings.bootstrap_servers}: "
+                f"{exc}; nothing was changed, ask again"
+            ) from exc
         finally:
             consumer.unassign()
 
-    @staticmethod
-    def _latest(consumer: Consumer, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        """Each partition's end (what a read_committed reader can read up to), asked in one
-        ListOffsets request per broker: a watermark query per partition was a round trip each,
-        24 of them for one load on 12 partitions."""
-        if not keys:
-            return {}
-        answers = consumer.offsets_for_times(
-            [TopicPartition(t, p, _LATEST) for t, p in keys], timeout=10
-        )
-        latest: dict[tuple[str, int], int] = {}
-        for answer in answers:
-            key = (answer.topic, answer.partition)
-            if answer.error is not None or answer.offset < 0:
-                _low, high = watermarks(consumer, TopicPartition(*key), time.monotonic() + 10)
-                latest[key] = high
-            else:
-                latest[key] = int(answer.offset)
-        missing = [key for key in keys if key not in latest]
-        if missing:
-            raise KafkaException(f"no end offset for {missing}")
-        return latest
-
     def _open(self) -> Consumer:
         if self._consumer is None:
-            self._consumer = Consumer(
-                consumer_config(
-                    self._settings, group_id=f"{self._client_id}-reader", client_id=self._client_id
-                )
+            self._consumer = new_consumer(
+                self._settings, group_id=f"{self._client_id}-reader", client_id=self._client_id
             )
         return self._consumer

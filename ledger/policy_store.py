@@ -400,19 +400,17 @@ class PolicyFreshness:
         self._checked_at = self._clock()
 
     def _offsets(self) -> Offsets:
-        from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
+        from confluent_kafka import TopicPartition  # noqa: PLC0415
 
-        from ledger.kafka import consumer_config  # noqa: PLC0415
+        from ledger.log import new_consumer  # noqa: PLC0415
 
         topic = self._settings.policy_topic
         if self._consumer is None:
             # Never subscribes nor commits: it only asks for watermarks.
-            self._consumer = Consumer(
-                consumer_config(
-                    self._settings,
-                    group_id=f"{self._settings.projector_group}.policy-freshness",
-                    client_id="opledger-policy-freshness",
-                )
+            self._consumer = new_consumer(
+                self._settings,
+                group_id=f"{self._settings.projector_group}.policy-freshness",
+                client_id="opledger-policy-freshness",
             )
         if self._partitions is None:
             meta = self._consumer.list_topics(topic, timeout=_PROBE_TIMEOUT_S).topics.get(topic)

@@ -10,11 +10,11 @@ projector, recovery and delivery workers host a faust app, which declares one in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 # confluent_kafka.admin re-exports these implicitly, which mypy strict rejects.
@@ -22,7 +22,7 @@ from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
-from ledger.kafka import admin_config, consumer_config
+from ledger.log.clients import new_admin
 from ledger.settings import Settings
 
 
@@ -125,7 +125,7 @@ def all_topic_specs(settings: Settings) -> list[TopicSpec]:
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
     """Create the topics if missing and check existing ones; safe to call any number of times."""
     specs = all_topic_specs(settings)
-    admin = AdminClient(admin_config(settings, client_id="opledger-topics"))
+    admin = new_admin(settings, client_id="opledger-topics")
     _create(admin, specs, timeout)
     _verify(admin, specs, timeout)
     return specs
@@ -193,54 +193,3 @@ def _verify_cleanup(admin: AdminClient, specs: list[TopicSpec], timeout: float) 
                 f"topic {spec.name} has cleanup.policy={actual} but opledger needs {want}; "
                 "use a new topic_prefix or delete the topic"
             )
-
-
-#: Errors a watermark query gets while leadership settles, just after a topic is created or a
-#: broker restarted: asked again until the caller's deadline.
-_SETTLING = (
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError._TRANSPORT,
-)
-
-
-def watermarks(consumer: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
-    """The low and high watermarks of ``tp``, asked of the broker; a retriable error (leadership
-    still settling) is asked again every 0.2 s until ``deadline`` (``time.monotonic()``), then
-    raised as the ``KafkaException`` it is."""
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=10, cached=False)
-            return int(low), int(high)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            settling = isinstance(error, KafkaError) and (
-                error.retriable() or error.code() in _SETTLING
-            )
-            if not settling or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def end_offsets(
-    settings: Settings, topics: Iterable[str], timeout_s: float = 30.0
-) -> dict[tuple[str, int], int]:
-    """The high watermark of every partition of ``topics``: where "caught up" ends. A topic
-    created a moment ago is waited for (up to ``timeout_s``) while its leaders settle."""
-    # A throwaway consumer: watermark queries need one, and it never joins its group. It reads
-    # read_committed as every worker does, so "the end" is the last stable offset they can reach.
-    consumer = Consumer(
-        consumer_config(settings, group_id="opledger-watermarks", client_id="opledger-watermarks")
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        ends: dict[tuple[str, int], int] = {}
-        meta = consumer.list_topics(timeout=10)
-        for topic in topics:
-            for partition in meta.topics[topic].partitions:
-                _low, high = watermarks(consumer, TopicPartition(topic, partition), deadline)
-                ends[(topic, partition)] = high
-        return ends
-    finally:
-        consumer.close()

@@ -38,11 +38,11 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
 
     from ledger.destinations import DestinationStore  # noqa: PLC0415
     from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.log import KafkaTransport  # noqa: PLC0415
     from ledger.metrics import Metrics  # noqa: PLC0415
     from ledger.pg import open_pool  # noqa: PLC0415
     from ledger.policy_store import PolicyStore  # noqa: PLC0415
     from ledger.results import ResultStore  # noqa: PLC0415
-    from ledger.transport import KafkaTransport  # noqa: PLC0415
     from processors.app import create_app  # noqa: PLC0415
     from processors.delivery.result_endpoint import ResultEndpoint  # noqa: PLC0415
     from processors.delivery.senders import WebhookSender  # noqa: PLC0415
@@ -373,13 +373,13 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
     import psycopg  # noqa: PLC0415
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from ledger.codec import default_codec  # noqa: PLC0415
     from ledger.domain.delivery import redrive as redrive_event  # noqa: PLC0415
+    from ledger.domain.events import DeliveryTransitioned  # noqa: PLC0415
     from ledger.domain.states import DeliveryState  # noqa: PLC0415
     from ledger.errors import RecordError  # noqa: PLC0415
     from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.log import LogWriter  # noqa: PLC0415
     from ledger.pg import SESSION_OPTIONS, open_pool  # noqa: PLC0415
-    from ledger.transport import KafkaTransport, OutgoingRecord  # noqa: PLC0415
 
     if (args.operation_id is None) == (args.since is None):
         print("name one operation (OP --destination D) or a period (--since T)", file=sys.stderr)
@@ -427,16 +427,15 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
         )
         batches = _dead_since(settings.dsn, params, REDRIVE_BATCH)
     actor = _by(args)
-    codec = default_codec()
     sent, skipped, seen = 0, 0, 0
     with open_pool(settings.dsn, name="opledger-redrive", max_size=2) as pool:
         history = HistoryReader(settings, pool, client_id="opledger-redrive")
-        transport = KafkaTransport(settings)
+        writer = LogWriter.connect(settings, "redrive")
         try:
             for wanted in batches:
                 # Read from the log, not the projection: what the fold holds now, tenant-scoped.
                 snapshots = history.load({(op, args.tenant) for op, _d in wanted})
-                records = []
+                events: list[DeliveryTransitioned] = []
                 now = datetime.now(UTC)
                 for op_id, destination in wanted:
                     snapshot = snapshots.get(op_id)
@@ -457,19 +456,11 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
                     except (ValueError, ValidationError) as exc:
                         print(f"refused: {exc}", file=sys.stderr)
                         return EXIT_USAGE
-                    records.append(
-                        OutgoingRecord(
-                            settings.delivery_topic,
-                            op_id.encode("ascii"),
-                            codec.encode(event),
-                            [("opledger-schema", b"DeliveryTransitioned")],
-                        )
-                    )
+                    events.append(event)
                     if total is None:
                         print(f"{op_id} {destination}: redriven ({event.event_id})")
-                if records:
-                    transport.send(records)
-                sent += len(records)
+                writer.append(events)
+                sent += len(events)
                 seen += len(wanted)
                 if total is not None:
                     print(f"{seen}/{total} read, {sent} redriven", file=sys.stderr, flush=True)
@@ -479,7 +470,7 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
             return EXIT_FAILED
         finally:
             history.close()
-            transport.close()
+            writer.close()
     print(f"{sent} redriven, {skipped} skipped")
     if args.operation_id is not None and sent == 0:
         return EXIT_FAILED

@@ -446,16 +446,12 @@ def _subject(change: PolicyChanged) -> str:
 
 
 def _write_and_wait(settings: Settings, change: PolicyChanged, wait_s: float | None) -> int:
-    from ledger.codec import default_codec  # noqa: PLC0415  # handlers only
     from ledger.errors import DeliveryError, DeliveryTimeoutError  # noqa: PLC0415
-    from ledger.transport import KafkaTransport, OutgoingRecord  # noqa: PLC0415
+    from ledger.log import LogWriter  # noqa: PLC0415  # handlers only
 
-    record = OutgoingRecord(
-        settings.policy_topic, change.subject_key(), default_codec().encode(change), []
-    )
-    transport = KafkaTransport(settings)
+    writer = LogWriter.connect(settings, "policy")
     try:
-        positions = transport.send([record])
+        positions = writer.append([change])
     except DeliveryTimeoutError as exc:
         return _failed(
             f"the broker did not confirm the change: {exc}\nit may have been written or not; "
@@ -464,7 +460,7 @@ def _write_and_wait(settings: Settings, change: PolicyChanged, wait_s: float | N
     except DeliveryError as exc:
         return _failed(f"the change was not written: {exc}")
     finally:
-        transport.close()
+        writer.close()
     where = ", ".join(f"{t} partition {p} offset {o}" for t, p, o in positions)
     verb = {"GRANT": "granted", "REVOKE": "revoked", "REVOKE_CREDENTIAL": "revoked"}
     print(f"{verb[change.change.value]}: {_subject(change)}")

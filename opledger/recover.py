@@ -41,11 +41,11 @@ def build(settings: Settings, default_providers: str = "") -> tuple[Any, Recover
 
     from ledger.history import HistoryReader  # noqa: PLC0415
     from ledger.leases import LeaseStore, process_identity  # noqa: PLC0415
+    from ledger.log import KafkaTransport  # noqa: PLC0415
     from ledger.metrics import Metrics  # noqa: PLC0415
     from ledger.pg import open_pool  # noqa: PLC0415
     from ledger.policy_store import PolicyStore  # noqa: PLC0415
     from ledger.results import ResultStore  # noqa: PLC0415
-    from ledger.transport import KafkaTransport  # noqa: PLC0415
     from processors.app import create_app  # noqa: PLC0415
     from processors.recovery.worker import RecoveryWorker  # noqa: PLC0415
 

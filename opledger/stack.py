@@ -32,13 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from ledger.display import displayable
-from ledger.kafka import admin_config, producer_config
+from ledger.log import new_admin, new_producer
 from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
@@ -439,7 +437,7 @@ def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
     if not settings.kafka_bootstrap and not _port_open(settings.kafka_port):
         return False
     # log_level 0: librdkafka would otherwise print connection errors while we poll.
-    admin = AdminClient({**admin_config(settings, client_id="opledger-stack"), "log_level": 0})
+    admin = new_admin(settings, client_id="opledger-stack", overrides={"log_level": 0})
     try:
         admin.list_topics(timeout=timeout)
     except Exception:  # any failure here just means "not healthy yet"
@@ -531,13 +529,14 @@ def _wait_producer_ids(settings: Settings, timeout: float = 60.0) -> None:
         if json.loads(raw).get("eos", {}).get("idemp_state") == "Assigned":
             assigned.set()
 
-    probe = Producer(
-        {
-            **producer_config(settings, client_id="opledger-stack-probe"),
+    probe = new_producer(
+        settings,
+        client_id="opledger-stack-probe",
+        overrides={
             "statistics.interval.ms": 100,
             "stats_cb": on_stats,
             "log_level": 0,  # the retries this waits out are expected; keep them quiet
-        }
+        },
     )
     deadline = time.monotonic() + timeout
     while not assigned.is_set():

@@ -51,12 +51,11 @@ from ledger.faults import fault_point
 from ledger.kafka import (
     FETCH_STALL_S,
     FetchStallClock,
-    consumer_config,
     listed,
     partition_for,
-    producer_config,
     records_waiting,
 )
+from ledger.log import new_consumer, new_producer
 from ledger.metrics import Metrics
 from ledger.records import (
     Coordinates,
@@ -260,13 +259,11 @@ class BatchProjector:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def _open(self) -> Consumer:
-        consumer = Consumer(
-            {
-                **consumer_config(
-                    self._settings,
-                    group_id=self._config.consumer_name,
-                    client_id="opledger-projector",
-                ),
+        consumer = new_consumer(
+            self._settings,
+            group_id=self._config.consumer_name,
+            client_id="opledger-projector",
+            overrides={
                 # Short, although the broker answers a fetch as soon as a record arrives: a seek
                 # (a delivery partition rewound until its execution is projected) waits for the
                 # fetch in flight. With 500 ms, test_projector_hardening's refused-records test
@@ -275,16 +272,14 @@ class BatchProjector:
                 "fetch.wait.max.ms": 20,
                 "queued.max.messages.kbytes": 65536,
                 "error_cb": self._on_client_error,
-            }
+            },
         )
-        self._dlq = Producer(
-            {
-                **producer_config(
-                    self._settings, client_id="opledger-projector-dlq", delivery_timeout_s=30.0
-                ),
-                "linger.ms": 5,
-                "error_cb": self._on_client_error,
-            }
+        self._dlq = new_producer(
+            self._settings,
+            client_id="opledger-projector-dlq",
+            delivery_timeout_s=30.0,
+            linger_ms=5,
+            overrides={"error_cb": self._on_client_error},
         )
         metadata = consumer.list_topics(timeout=10)
         assignment: list[TopicPartition] = []

@@ -35,13 +35,13 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.kafka import producer_config
-from ledger.results import MAX_RESULT_BYTES, ResultStore
-from ledger.transport import (
+from ledger.log import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
     OutgoingRecord,
     Transport,
 )
+from ledger.results import MAX_RESULT_BYTES, ResultStore
 from producers.aio import AsyncTransitionRecorder
 from producers.execution import Execution
 from producers.operation import OperationState, TrackedOperation

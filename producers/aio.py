@@ -31,9 +31,9 @@ from typing import Any, Self, Unpack, cast
 from ledger.domain.events import OperationEvent
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import IllegalTransitionError
+from ledger.log import OutgoingRecord, Positions, SplitTransport, Transport
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, Provider, is_async
-from ledger.transport import OutgoingRecord, Positions, SplitTransport, Transport
 from producers import execution
 from producers.execution import Execution
 from producers.operation import TrackedOperation, as_aware

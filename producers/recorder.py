@@ -76,6 +76,16 @@ from ledger.errors import (
 from ledger.faults import fault_point
 from ledger.history import HistoryReader, Snapshot
 from ledger.leases import MAX_REQUEST_BYTES, LeaseStore, process_identity
+from ledger.log import (
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    KafkaTransport,
+    LogTopics,
+    OutgoingRecord,
+    Positions,
+    RecordBuilder,
+    SplitTransport,
+    Transport,
+)
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyFreshness, PolicyStore
@@ -83,14 +93,6 @@ from ledger.results import ResultStore
 from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.tools import AsyncProvider, Provider, is_async
-from ledger.transport import (
-    DEFAULT_DELIVERY_TIMEOUT_S,
-    KafkaTransport,
-    OutgoingRecord,
-    Positions,
-    SplitTransport,
-    Transport,
-)
 from producers import execution
 from producers.execution import Execution
 from producers.operation import (
@@ -118,8 +120,6 @@ from producers.steps import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_HEADER = "opledger-schema"
-TENANT_HEADER = "tenant_id"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 Clock = Callable[[], int]
@@ -306,10 +306,9 @@ class RecorderCore:
         self._settings = settings
         self._clock_ns = clock_ns
         self._entropy = entropy
-        self._codec = codec or default_codec()
+        self._records = RecordBuilder(LogTopics.of(settings), codec or default_codec(), "sdk")
         self._metrics = metrics
         self._execution_topic = settings.execution_topic
-        self._delivery_topic = settings.delivery_topic
         self._results = results
         self._leases = leases
         self._history = history
@@ -877,18 +876,7 @@ class RecorderCore:
             ) from None
 
     def _outgoing(self, event: OperationEvent) -> OutgoingRecord:
-        if isinstance(event, DeliveryTransitioned):
-            topic = self._delivery_topic
-        else:
-            # Ownership changes and decisions are ordered with the transitions they govern.
-            topic = self._execution_topic
-        schema = type(event).__name__.encode()
-        return OutgoingRecord(
-            topic,
-            event.operation_id.encode("ascii"),
-            self._codec.encode(event),
-            [(SCHEMA_HEADER, schema), (TENANT_HEADER, event.tenant_id.encode("utf-8"))],
-        )
+        return self._records.record(event)
 
 
 _APPENDABLE = (ExecutionTransitioned, DeliveryTransitioned, OwnershipTaken, ReconciliationDecided)

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ledger.log import OutgoingRecord
 from ledger.tools import AsyncProvider, Provider
-from ledger.transport import OutgoingRecord
 from producers.operation import TrackedOperation
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class Send:
     is dropped: it keeps what it must). It runs once, whatever becomes of the records, and the
     step is done only when both are: if it raised, :class:`AlongsideError` is raised once the
     records' outcome is known, whatever that was. A recorder whose transport cannot hand records
-    over without waiting (not a :class:`~ledger.transport.SplitTransport`, or not yet ``warm``)
+    over without waiting (not a :class:`~ledger.log.SplitTransport`, or not yet ``warm``)
     runs it first and sends nothing if it raised (the steps ask for that:
     ``RecorderCore._append_steps``)."""
 

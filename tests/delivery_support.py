@@ -26,12 +26,12 @@ from ledger.domain.fold import DeliveryRecord
 from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState
 from ledger.history import HistoryReader
+from ledger.log import KafkaTransport
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport
 from processors.batch_reader import BatchProjector
 from processors.delivery.senders import WebhookSender
 from processors.delivery.worker import DeliveryWorker

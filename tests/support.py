@@ -38,9 +38,9 @@ from ledger.domain.fold import (
 )
 from ledger.domain.ids import ULID_PATTERN, event_id
 from ledger.kafka import partition_for
+from ledger.log import end_offsets
 from ledger.metrics import Metrics
 from ledger.settings import Settings
-from ledger.topics import end_offsets
 from processors.batch_reader import BatchProjector
 from projections import progress
 from projections.writer import PostgresProjection

@@ -298,7 +298,7 @@ def _settle(
 def _observe(
     settings: Settings, announced: Mapping[str, Announced], control: FakeProviderControl
 ) -> Observed:
-    from ledger.topics import end_offsets  # noqa: PLC0415
+    from ledger.log import end_offsets  # noqa: PLC0415
     from opledger.demo.observe import read  # noqa: PLC0415
     from projections.progress import records_behind, stored_offsets  # noqa: PLC0415
 

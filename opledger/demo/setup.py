@@ -59,13 +59,12 @@ def configure_provider(control: FakeProviderControl, seed: int) -> None:
 def ensure_queue_topic(settings: Settings) -> str:
     """The queue destination's topic (auto-creation is off on our brokers)."""
     from confluent_kafka import KafkaError, KafkaException  # noqa: PLC0415
-    from confluent_kafka.admin import AdminClient  # noqa: PLC0415
     from confluent_kafka.cimpl import NewTopic  # noqa: PLC0415
 
-    from ledger.kafka import admin_config  # noqa: PLC0415
+    from ledger.log import new_admin  # noqa: PLC0415
 
     topic = queue_topic(settings.topic_prefix)
-    admin = AdminClient(admin_config(settings, client_id="opledger-demo"))
+    admin = new_admin(settings, client_id="opledger-demo")
     futures = admin.create_topics([NewTopic(topic, num_partitions=settings.partitions)])
     for future in futures.values():
         try:
@@ -173,22 +172,17 @@ def revocation(subject: tuple[str, str, str], now: datetime) -> PolicyChanged:
 def write_policy(settings: Settings, changes: Sequence[PolicyChanged]) -> float:
     """Append ``changes`` (acks=all) and wait until the projector has folded every one;
     returns the seconds waited."""
-    from ledger.codec import default_codec  # noqa: PLC0415
     from ledger.errors import RecordError  # noqa: PLC0415
+    from ledger.log import LogWriter  # noqa: PLC0415
     from ledger.policy_store import read_fold_state  # noqa: PLC0415
-    from ledger.transport import KafkaTransport, OutgoingRecord  # noqa: PLC0415
 
-    codec = default_codec()
-    records = [
-        OutgoingRecord(settings.policy_topic, c.subject_key(), codec.encode(c), []) for c in changes
-    ]
-    transport = KafkaTransport(settings)
+    writer = LogWriter.connect(settings, "demo")
     try:
-        transport.send(records)
+        writer.append(list(changes))
     except RecordError as exc:
         raise SetupError(f"the policy changes were not written: {exc}") from None
     finally:
-        transport.close()
+        writer.close()
     started = time.monotonic()
     waiting = list(changes)
     with psycopg.connect(settings.dsn, autocommit=True, application_name="opledger-demo") as conn:

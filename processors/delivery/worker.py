@@ -69,9 +69,18 @@ from ledger.kafka import (
     FETCH_STALL_S,
     MESSAGE_MAX_BYTES,
     FetchStallClock,
-    consumer_config,
     listed,
     records_waiting,
+)
+from ledger.log import (
+    LogTopics,
+    LogWriter,
+    OutgoingRecord,
+    Transport,
+    fits,
+    new_consumer,
+    payload_record,
+    record_size,
 )
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
@@ -80,7 +89,6 @@ from ledger.result_fetch import result_url
 from ledger.results import ResultStore, StoredResult
 from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
-from ledger.transport import OutgoingRecord, Transport, fits, record_size
 from processors.delivery.payload import Delivery, queue_headers, webhook_headers
 from processors.delivery.senders import AddressRefused, WebhookSend, WebhookSender
 from processors.health import Health
@@ -103,7 +111,6 @@ FRESH_GRACE = timedelta(seconds=2)
 #: Records this worker wrote, remembered so that a lagging projection costs no log reads.
 KNOWN_LIMIT = 200_000
 MAX_ERROR = 1000
-SCHEMA_HEADER = "opledger-schema"
 _SUCCEEDED_EXECUTION = (EXECUTION_RECORD, ExecutionState.SUCCEEDED.value)
 
 _DUE_SQL = """
@@ -206,6 +213,7 @@ class DeliveryWorker:
         self._guard = AddressGuard(settings.delivery_allowed_networks)
         self._metrics = metrics
         self._codec = codec or default_codec()
+        self._log = LogWriter(transport, LogTopics.of(settings), "delivery", codec=self._codec)
         self._retry = retry or settings.delivery_retry_policy
         self._random = unit_random
         self._stopping = threading.Event()
@@ -246,13 +254,11 @@ class DeliveryWorker:
             self.close()
 
     def join(self) -> None:
-        consumer = Consumer(
-            {
-                **consumer_config(
-                    self._settings,
-                    group_id=self._settings.delivery_group,
-                    client_id="opledger-delivery",
-                ),
+        consumer = new_consumer(
+            self._settings,
+            group_id=self._settings.delivery_group,
+            client_id="opledger-delivery",
+            overrides={
                 "partition.assignment.strategy": "cooperative-sticky",
                 # A SIGKILLed worker's partitions move once its session ends: 10 s, not the
                 # default 45 s, during which nobody would send its deliveries.
@@ -263,7 +269,7 @@ class DeliveryWorker:
                 # A new group starts at the beginning: every SUCCEEDED execution on the topic
                 # gets its deliveries (those that exist already are recognised as such).
                 "auto.offset.reset": "earliest",
-            }
+            },
         )
         consumer.subscribe(
             [self._settings.execution_topic],
@@ -914,11 +920,8 @@ class DeliveryWorker:
                     )
                 )
             else:
-                record = OutgoingRecord(
-                    destination.target,
-                    delivery.operation_id.encode("ascii"),
-                    body,
-                    queue_headers(delivery),
+                record = payload_record(
+                    destination.target, delivery.operation_id, body, queue_headers(delivery)
                 )
                 if fits(record):
                     queues.setdefault(destination.target, []).append((index, record))
@@ -1028,27 +1031,7 @@ class DeliveryWorker:
             self._known.popitem(last=False)
 
     def _append(self, events: Iterable[DeliveryTransitioned]) -> None:
-        records = [
-            OutgoingRecord(
-                self._settings.delivery_topic,
-                e.operation_id.encode("ascii"),
-                self._codec.encode(e),
-                [(SCHEMA_HEADER, b"DeliveryTransitioned")],
-            )
-            for e in events
-        ]
-        if not records:
-            return
-        # A resend of the same records after a lost acknowledgement is harmless: the fold
-        # recognises each by its event id.
-        for attempt in range(3):
-            try:
-                self._transport.send(records)
-                return
-            except RecordError:
-                if attempt == 2:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
+        self._log.append(list(events))
 
     def _report_dead_letters(self, every_s: float = 5.0) -> None:
         monotonic = time.monotonic()

@@ -40,7 +40,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg_pool import ConnectionPool
 
-from ledger.codec import Codec, default_codec
+from ledger.codec import Codec
 from ledger.domain import ids
 from ledger.domain.events import (
     ExecutionTransitioned,
@@ -58,8 +58,8 @@ from ledger.entropy import entropy
 from ledger.errors import RecordError
 from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader, Snapshot, View
-from ledger.kafka import consumer_config
 from ledger.leases import MAX_TOKEN, Lease, LeaseStore
+from ledger.log import LogTopics, LogWriter, OutgoingRecord, Positions, Transport, new_consumer
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.policy_store import PolicyFreshness, PolicyViewStaleError
@@ -72,7 +72,6 @@ from ledger.results import (
 from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, LookupResult, Provider
-from ledger.transport import OutgoingRecord, Transport
 from processors.health import Health
 
 log = logging.getLogger("opledger.recovery")
@@ -166,9 +165,7 @@ class RecoveryWorker:
         threads: int = 32,
     ) -> None:
         self._settings = settings
-        self._execution_topic = settings.execution_topic
         self._pool = pool
-        self._transport = transport
         self._leases = leases
         self._history = history
         self._results = results
@@ -181,7 +178,7 @@ class RecoveryWorker:
             name for name, p in self._providers.items() if isinstance(p, BatchLookup)
         }
         self._metrics = metrics
-        self._codec = codec or default_codec()
+        self._log = LogWriter(transport, LogTopics.of(settings), "recovery", codec=codec)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="opledger-recover")
         # Lookups have threads of their own: one a provider never answers holds its thread,
         # never one the pass needs for its calls.
@@ -225,19 +222,17 @@ class RecoveryWorker:
     def join(self) -> None:
         """Subscribe to the execution topic in the recovery group. Records are not read (the
         partitions are paused): the assignment alone says which operations are this worker's."""
-        consumer = Consumer(
-            {
-                **consumer_config(
-                    self._settings,
-                    group_id=self._settings.recovery_group,
-                    client_id="opledger-recovery",
-                ),
+        consumer = new_consumer(
+            self._settings,
+            group_id=self._settings.recovery_group,
+            client_id="opledger-recovery",
+            overrides={
                 "partition.assignment.strategy": "cooperative-sticky",
                 # A SIGKILLed worker's partitions move once its session ends: 10 s, not the
                 # default 45 s, during which nobody would sweep its operations.
                 "session.timeout.ms": 10_000,
                 "heartbeat.interval.ms": 2_000,
-            }
+            },
         )
         consumer.subscribe(
             [self._settings.execution_topic],
@@ -1105,29 +1100,13 @@ class RecoveryWorker:
         state.execution = execution
 
     def _outgoing(self, event: OperationEvent) -> OutgoingRecord:
-        return OutgoingRecord(
-            self._execution_topic,
-            event.operation_id.encode("ascii"),
-            self._codec.encode(event),
-            [("opledger-schema", type(event).__name__.encode())],
-        )
+        return self._log.builder.record(event)
 
-    def _send(self, events: Sequence[OperationEvent]) -> list[tuple[str, int, int]]:
-        return self._send_records([self._outgoing(e) for e in events])
+    def _send(self, events: Sequence[OperationEvent]) -> Positions:
+        return self._log.append(events)
 
-    def _send_records(self, records: Sequence[OutgoingRecord]) -> list[tuple[str, int, int]]:
-        if not records:
-            return []
-        # A resend of the very same records after a lost acknowledgement is harmless: the fold
-        # recognises each by its event id.
-        for attempt in range(3):
-            try:
-                return self._transport.send(records) or []
-            except RecordError:
-                if attempt == 2:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
-        return []
+    def _send_records(self, records: Sequence[OutgoingRecord]) -> Positions:
+        return self._log.send(records)
 
     def _dispatched_at(self, execution: ExecutionRecord) -> datetime:
         # The record keeps when UNKNOWN was entered, not when the attempt was dispatched; the

@@ -26,8 +26,8 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from consumers.keystore import decode_entry
+from ledger.log import end_offsets
 from ledger.settings import Settings
-from ledger.topics import end_offsets
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
 from tests.support import env_for, free_port, read_all
 

@@ -20,9 +20,9 @@ import pytest
 from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.states import ExecutionState
+from ledger.log import end_offsets
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, LookupResult, LookupStatus, ProviderTerms
-from ledger.topics import end_offsets
 from producers import (
     AsyncTransitionRecorder,
     ForkedRecorderError,

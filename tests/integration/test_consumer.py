@@ -43,10 +43,11 @@ from consumers.runtime import ConsumerRuntime, migrate_database
 from consumers.signatures import SignatureVerifier
 from ledger.dead_letters import DLQ_INLINE_LIMIT, by_reference, dead_letter_headers
 from ledger.domain.ids import canonical_json, content_ref
+from ledger.log import end_offsets
 from ledger.records import Coordinates, DeadLetter
 from ledger.result_fetch import result_url
 from ledger.settings import Settings
-from ledger.topics import end_offsets, ensure_topics
+from ledger.topics import ensure_topics
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
 from tests.support import assert_no_identifying_labels, env_for, read_all
 from tests.tcp_proxy import TcpProxy

@@ -29,12 +29,12 @@ from ledger.domain.ids import content_ref
 from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState
 from ledger.history import HistoryReader
+from ledger.log import KafkaTransport, OutgoingRecord
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport, OutgoingRecord
 from processors.batch_reader import BatchProjector
 from processors.delivery.senders import WebhookSender
 from processors.delivery.worker import DeliveryWorker

@@ -20,8 +20,8 @@ import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from ledger.domain.states import DeliveryState
+from ledger.log import KafkaTransport
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport
 from opledger import deliver
 from tests.delivery_support import (
     Answer,

@@ -17,10 +17,10 @@ from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.ids import event_id
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import ExecutionState
+from ledger.log import end_offsets
 from ledger.results import MAX_RESULT_BYTES, ResultStore
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ProviderTerms
-from ledger.topics import end_offsets
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
 from producers import (

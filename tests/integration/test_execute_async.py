@@ -18,9 +18,9 @@ import psycopg
 import pytest
 
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
+from ledger.log import end_offsets
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, LookupResult, ProviderTerms
-from ledger.topics import end_offsets
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
 from opledger.fakes.state import ProviderState

@@ -44,6 +44,7 @@ from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
 from ledger.history import HistoryReader
 from ledger.leases import LeaseStore
+from ledger.log import KafkaTransport, end_offsets
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
@@ -51,8 +52,6 @@ from ledger.results import ResultStore
 from ledger.secrets import RedactingFilter
 from ledger.settings import Settings
 from ledger.tools import LookupResult, ProviderTerms
-from ledger.topics import end_offsets
-from ledger.transport import KafkaTransport
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
 from processors.recovery.worker import RecoveryWorker

@@ -19,10 +19,10 @@ from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.errors import LeaseLostError
 from ledger.leases import LeaseStore, process_identity
+from ledger.log import KafkaTransport, OutgoingRecord, Positions, SplitTransport, Transport
 from ledger.pg import DatabaseUnavailableError, open_pool
 from ledger.settings import Settings
 from ledger.tools import ProviderTerms
-from ledger.transport import KafkaTransport, OutgoingRecord, Positions, SplitTransport, Transport
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
 from producers import AsyncTransitionRecorder, TrackedOperation, TransitionRecorder

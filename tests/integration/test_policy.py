@@ -29,10 +29,10 @@ from confluent_kafka.admin import (
 from ledger.codec import default_codec
 from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import PolicyChange, PolicyRequest, Purpose, grant_key
+from ledger.log import end_offsets
 from ledger.pg import open_pool
 from ledger.policy_store import NO_PROJECTION, PolicyStore, read_matching
 from ledger.settings import Settings
-from ledger.topics import end_offsets
 from opledger.workload import Workload
 from tests.support import (
     assert_projection_matches,

@@ -376,6 +376,6 @@ def test_the_cli_refuses_hostile_arguments_with_exit_2_and_writes_nothing(
         )
         assert result.returncode == 2, (argv, result.stdout, result.stderr)
         assert result.stderr.strip() and "Traceback" not in result.stderr, (argv, result.stderr)
-    from ledger.topics import end_offsets  # noqa: PLC0415
+    from ledger.log import end_offsets  # noqa: PLC0415
 
     assert sum(end_offsets(isolated, [isolated.policy_topic]).values()) == 0

@@ -24,8 +24,8 @@ from ledger.domain.ids import content_ref, event_id, request_hash
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import RecordTooLargeError
 from ledger.kafka import MESSAGE_MAX_BYTES, partition_for
+from ledger.log import KafkaTransport, OutgoingRecord, fits, record_size
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport, OutgoingRecord, fits, record_size
 from producers import (
     MAX_RESULT_BYTES,
     AsyncTransitionRecorder,
@@ -168,7 +168,8 @@ def test_recorded_history_reads_back_in_order_on_the_keyed_partition(
         assert r.key == key
         # Co-partitioned: the same partition number in both topics, the one Java would choose.
         assert r.partition == expected_partition
-        assert r.headers["tenant_id"] == TENANT.encode()
+        assert r.headers["opledger-tenant"] == TENANT.encode()
+        assert r.headers["opledger-writer"] == b"sdk"
         assert r.event.tenant_id == TENANT and r.event.actor_id == ACTOR
         assert payload not in r.value
     assert {r.headers["opledger-schema"] for r in executions} == {b"ExecutionTransitioned"}

@@ -20,13 +20,13 @@ from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
 from ledger.history import HistoryReader
 from ledger.leases import LeaseStore
+from ledger.log import KafkaTransport
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyFreshness
 from ledger.results import MAX_RESULT_BYTES, ResultStore
 from ledger.settings import Settings
 from ledger.tools import LookupResult, ProviderTerms
-from ledger.transport import KafkaTransport
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Action, Mode
 from processors.recovery.worker import RecoveryWorker

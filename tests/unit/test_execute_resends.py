@@ -22,10 +22,10 @@ from ledger.domain.fold import Applied, apply_execution
 from ledger.domain.ids import content_ref
 from ledger.domain.states import ExecutionState
 from ledger.errors import DeliveryTimeoutError
+from ledger.log import OutgoingRecord
 from ledger.metrics import Metrics
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import OutgoingRecord
 from opledger.fakes.memory import MemoryProvider
 from producers import TransitionRecorder
 from producers.execution import RESENDS

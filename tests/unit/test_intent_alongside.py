@@ -25,10 +25,10 @@ from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import ExecutionState
 from ledger.errors import DeliveryTimeoutError, LeaseLostError
 from ledger.leases import Lease, LeaseStore
+from ledger.log import KafkaTransport, OutgoingRecord, Positions, SplitTransport
 from ledger.pg import DatabaseUnavailableError
 from ledger.results import ResultStore
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport, OutgoingRecord, Positions, SplitTransport
 from opledger.fakes.memory import MemoryProvider
 from producers import AsyncTransitionRecorder, TransitionRecorder
 

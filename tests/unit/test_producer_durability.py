@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ledger.kafka import consumer_config, producer_config
+from ledger.log import KafkaTransport
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport
 
 SETTINGS = Settings.from_env({"OPLEDGER_HOME": "/srv/opledger"})
 

@@ -15,8 +15,8 @@ from factories import RESULT, TENANT, delivery, execution
 from ledger.codec import default_codec
 from ledger.domain.events import Transition
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.log import OutgoingRecord
 from ledger.settings import Settings
-from ledger.transport import OutgoingRecord
 from producers import (
     AsyncTransitionRecorder,
     DeliveryError,

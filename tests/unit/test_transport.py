@@ -13,8 +13,8 @@ import pytest
 from confluent_kafka import KafkaError
 
 from ledger.errors import DeliveryError
+from ledger.log import KafkaTransport, OutgoingRecord
 from ledger.settings import Settings
-from ledger.transport import KafkaTransport, OutgoingRecord
 
 RECORD = OutgoingRecord("t", b"k", b"v", [])
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from ledger.topics import watermarks
+from ledger.log import watermarks
 
 
 class _Broker:

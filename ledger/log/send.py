@@ -1,6 +1,6 @@
-"""The Kafka edge of the SDK, behind a two-method interface.
+"""The acknowledged send: records handed to the broker and acknowledged, with one resend policy.
 
-:class:`Transport` is all the recorder needs: send these records and return once every one is
+:class:`Transport` is all a writer needs: send these records and return once every one is
 acknowledged, or raise. Unit tests of the handle logic give the recorder an in-memory transport;
 :class:`KafkaTransport` is the real one.
 
@@ -8,6 +8,10 @@ One producer serves every thread (and the asyncio recorder) of a process. A back
 serves its delivery reports as they arrive, and each call waits for the reports of its *own*
 records only: concurrent callers never wait on each other's acknowledgements, and nobody calls a
 global ``flush()``.
+
+:class:`LogWriter` is what every writer of events uses: the records built by
+:class:`~ledger.log.records.RecordBuilder`, sent through a transport, and sent again (the very
+same records) when the acknowledgement was lost, under one policy (:data:`RESENDS`).
 """
 
 from __future__ import annotations
@@ -17,13 +21,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
-from ledger.errors import DeliveryError, DeliveryTimeoutError, RecordTooLargeError
+from ledger.codec import Codec, default_codec
+from ledger.domain.events import LedgerEvent
+from ledger.errors import DeliveryError, DeliveryTimeoutError, RecordError, RecordTooLargeError
 from ledger.kafka import MESSAGE_MAX_BYTES, producer_config
+from ledger.log.clients import producer_from
+from ledger.log.records import (
+    LogTopics,
+    OutgoingRecord,
+    Positions,
+    RecordBuilder,
+    fits,
+    record_size,
+)
 from ledger.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,24 +50,8 @@ DEFAULT_DELIVERY_TIMEOUT_S = 10.0
 # SDK waits a little past the configured timeout before it gives up on the report itself.
 _REPORT_GRACE_S = 5.0
 
-Headers = list[tuple[str, bytes]]
-
 _UNREACHABLE = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE)
 _NO_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
-
-
-@dataclass(frozen=True, slots=True)
-class OutgoingRecord:
-    """One record to append: topic, key (operation_id bytes), encoded value, headers."""
-
-    topic: str
-    key: bytes
-    value: bytes
-    headers: Headers
-
-
-#: Where acknowledged records were written: (topic, partition, offset) each.
-Positions = list[tuple[str, int, int]]
 
 
 class Transport(Protocol):
@@ -88,23 +86,6 @@ class SplitTransport(Transport, Protocol):
     async def wait_async(self, submitted: Any) -> Positions:
         """:meth:`wait` without blocking the event loop."""
         ...
-
-
-# What librdkafka adds to a record's key and value when it checks ``message.max.bytes``
-# (RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD), and per header (two varints, at most 5 bytes each).
-_RECORD_OVERHEAD = 36
-_HEADER_OVERHEAD = 10
-
-
-def record_size(record: OutgoingRecord) -> int:
-    """The size librdkafka holds against ``message.max.bytes`` (rounded up a little)."""
-    headers = sum(len(name) + len(value) + _HEADER_OVERHEAD for name, value in record.headers)
-    return _RECORD_OVERHEAD + len(record.key) + len(record.value) + headers
-
-
-def fits(record: OutgoingRecord) -> bool:
-    """Whether the producer may send ``record`` at all."""
-    return record_size(record) <= MESSAGE_MAX_BYTES
 
 
 class _Reports:
@@ -183,7 +164,7 @@ class KafkaTransport:
         compression: str = "lz4",
         linger_ms: float = 0.0,
         extra_config: dict[str, Any] | None = None,
-        producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+        producer_factory: Callable[[dict[str, Any]], Any] = producer_from,
     ) -> None:
         config = producer_config(
             settings,
@@ -274,13 +255,23 @@ class KafkaTransport:
         for index, record in enumerate(records):
             while True:
                 try:
-                    produce(
-                        record.topic,
-                        record.value,
-                        record.key,
-                        headers=record.headers,
-                        on_delivery=callback,
-                    )
+                    if record.partition is None:  # the key's partition (murmur2)
+                        produce(
+                            record.topic,
+                            record.value,
+                            record.key,
+                            headers=record.headers,
+                            on_delivery=callback,
+                        )
+                    else:
+                        produce(
+                            record.topic,
+                            record.value,
+                            record.key,
+                            partition=record.partition,
+                            headers=record.headers,
+                            on_delivery=callback,
+                        )
                     break
                 except BufferError:
                     # librdkafka's local queue is full; the poller thread makes room.
@@ -389,3 +380,60 @@ class KafkaTransport:
         self._poller.join(timeout=5)
         if remaining:
             log.error("%d records still unacknowledged when the producer closed", remaining)
+
+
+#: How often a writer sends the same records again after a failed send, and how long it waits
+#: before each try. A resend after a lost acknowledgement is harmless: the fold recognises each
+#: event by its id. A record too large, or refused as unwritable, is not sent again.
+RESENDS: tuple[float, ...] = (0.2, 0.4)
+
+
+class LogWriter:
+    """Appends events for one kind of writer: each event as its record, acknowledged, sent again
+    under :data:`RESENDS` when the send failed; the last failure is raised as the
+    :class:`~ledger.errors.RecordError` it was (its outcome unknown: the caller may send the
+    same events again)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        topics: LogTopics,
+        writer: str,
+        *,
+        codec: Codec | None = None,
+        resends: Sequence[float] = RESENDS,
+    ) -> None:
+        self.transport = transport
+        self.builder = RecordBuilder(topics, codec or default_codec(), writer)
+        self._resends = tuple(resends)
+
+    @classmethod
+    def connect(cls, settings: Settings, writer: str, **options: Any) -> LogWriter:
+        """A writer with a Kafka transport of its own (close it with :meth:`close`)."""
+        return cls(KafkaTransport(settings), LogTopics.of(settings), writer, **options)
+
+    def records(self, events: Sequence[LedgerEvent]) -> list[OutgoingRecord]:
+        return self.builder.records(events)
+
+    def append(self, events: Sequence[LedgerEvent]) -> Positions:
+        """Record ``events`` in order; returns where they were written (when known)."""
+        return self.send(self.builder.records(events))
+
+    def send(self, records: Sequence[OutgoingRecord]) -> Positions:
+        """Send records this writer built (with :meth:`records`), under the resend policy."""
+        if not records:
+            return []
+        for pause in self._resends:
+            try:
+                return self.transport.send(records) or []
+            except RecordTooLargeError:
+                raise
+            except RecordError as exc:
+                log.warning(
+                    "append failed (%s); sending the same records again in %.1fs", exc, pause
+                )
+                time.sleep(pause)
+        return self.transport.send(records) or []
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,64 @@
+"""The one way to the log: events become records here (:mod:`ledger.log.records`), are sent and
+acknowledged here under one resend policy (:mod:`ledger.log.send`), and the log's ends are read
+here under one policy for a cluster that is moving (:mod:`ledger.log.reads`). Kafka clients are
+constructed in :mod:`ledger.log.clients` only.
+"""
+
+from ledger.log.clients import new_admin, new_consumer, new_producer, producer_from
+from ledger.log.reads import (
+    LogUnavailableError,
+    end_offsets,
+    latest_offsets,
+    ride_out,
+    settling,
+    watermarks,
+)
+from ledger.log.records import (
+    SCHEMA_HEADER,
+    TENANT_HEADER,
+    TRACE_HEADER,
+    WRITER_HEADER,
+    LogTopics,
+    OutgoingRecord,
+    Positions,
+    RecordBuilder,
+    fits,
+    payload_record,
+    record_size,
+)
+from ledger.log.send import (
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    KafkaTransport,
+    LogWriter,
+    SplitTransport,
+    Transport,
+)
+
+__all__ = [
+    "DEFAULT_DELIVERY_TIMEOUT_S",
+    "SCHEMA_HEADER",
+    "TENANT_HEADER",
+    "TRACE_HEADER",
+    "WRITER_HEADER",
+    "KafkaTransport",
+    "LogTopics",
+    "LogUnavailableError",
+    "LogWriter",
+    "OutgoingRecord",
+    "Positions",
+    "RecordBuilder",
+    "SplitTransport",
+    "Transport",
+    "end_offsets",
+    "fits",
+    "latest_offsets",
+    "new_admin",
+    "new_consumer",
+    "new_producer",
+    "payload_record",
+    "producer_from",
+    "record_size",
+    "ride_out",
+    "settling",
+    "watermarks",
+]
