@@ -4,11 +4,31 @@ know nothing was acknowledged. The SDK (``producers``) re-exports them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 
 class RecordError(Exception):
-    """A transition was not recorded (or its outcome is unknown); do not acknowledge the job."""
+    """A transition was not recorded (or its outcome is unknown); do not acknowledge the job.
+
+    Raised by a call that began an operation, it says what the log holds for the operation and
+    what happens to it next (:meth:`tell`), in its message and as attributes."""
+
+    #: the operation the error is about, once the SDK knows it (a call that made its own id)
+    operation_id: str | None = None
+    #: what the log holds for the operation, as far as the raising process knows
+    log_holds: str | None = None
+    #: what will happen to the operation, and what the caller should do
+    next_step: str | None = None
+
+    def tell(self, operation_id: str, holds: str, next_step: str) -> Self:
+        """Add what the log holds and what happens next (once: the first teller knows most)."""
+        if self.log_holds is None:
+            self.operation_id = operation_id
+            self.log_holds = holds
+            self.next_step = next_step
+            said = str(self.args[0]).rstrip(". ") if self.args else type(self).__name__
+            self.args = (f"{said}. The log holds {holds}: {next_step}", *self.args[1:])
+        return self
 
 
 class IllegalTransitionError(RecordError, ValueError):

@@ -45,6 +45,7 @@ from ledger.domain.events import (
     recordable_provider_ref,
     storable_text,
 )
+from ledger.domain.fate import fate
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
@@ -143,23 +144,49 @@ def execute(
                 return earlier
         ttl = provider.terms.call_timeout + LEASE_MARGIN
         early = _EarlyPolicy(core, tenant_id, actor_id, provider)
+        handle: TrackedOperation | None = None
         try:
-            handle = yield from core._intent_steps(
-                tenant_id,
-                actor_id,
-                tool_name,
-                arguments,
-                op_id,
-                lease_ttl=ttl,
-                fresh=operation_id is None,
-                alongside=early.read if core._policy is not None else None,
+            try:
+                handle = yield from core._intent_steps(
+                    tenant_id,
+                    actor_id,
+                    tool_name,
+                    arguments,
+                    op_id,
+                    lease_ttl=ttl,
+                    fresh=operation_id is None,
+                    alongside=early.read if core._policy is not None else None,
+                )
+            except DeliveryError as exc:
+                handle = doubtful = exc.handle
+                yield from recorded(core, doubtful, lambda: core._plan_resend(doubtful))
+                early.decision = None  # the resends took a while: policy is read again here
+            fault_point("execute.after_intent_before_dispatch")
+            return (
+                yield from _dispatch_and_call(core, handle, provider, arguments, early.decision)
             )
-        except DeliveryError as exc:
-            handle = exc.handle
-            yield from recorded(core, handle, lambda: core._plan_resend(handle))
-            early.decision = None  # the resends took a while: policy is read again, right here
-        fault_point("execute.after_intent_before_dispatch")
-        return (yield from _dispatch_and_call(core, handle, provider, arguments, early.decision))
+        except RecordError as exc:
+            if handle is not None:
+                told(exc, handle)
+            raise
+
+
+def told(exc: RecordError, handle: TrackedOperation) -> RecordError:
+    """``exc``, saying what the log holds for ``handle``'s operation and what happens next."""
+    execution = handle.execution
+    doubt = handle.in_doubt
+    in_doubt = (
+        []
+        if doubt is None
+        else [e.state for e in doubt.events if isinstance(e, ExecutionTransitioned)]
+    )
+    said = fate(
+        handle.operation_id,
+        None if execution is None else execution.state,
+        0 if execution is None else execution.attempt,
+        in_doubt,
+    )
+    return exc.tell(handle.operation_id, said.holds, said.next_step)
 
 
 def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
@@ -187,7 +214,11 @@ def resume(recorder: TransitionRecorder, handle: TrackedOperation) -> Execution:
             f"{handle.operation_id}: its request was never stored (recorded without a lease "
             "store), so it cannot be dispatched again here"
         )
-    return recorder._drive(_dispatch_and_call(recorder, handle, provider, json.loads(body)))
+    try:
+        return recorder._drive(_dispatch_and_call(recorder, handle, provider, json.loads(body)))
+    except RecordError as exc:
+        told(exc, handle)
+        raise
 
 
 def load(recorder: TransitionRecorder, operation_id: str, tenant_id: str) -> TrackedOperation:

@@ -889,7 +889,7 @@ def _require_lease(handle: TrackedOperation) -> None:
     if lease is not None and not lease.valid():
         raise LeaseLostError(
             f"{handle.operation_id}: the lease (token {lease.token}) ran out; another process "
-            "may own the operation now. Take it over again to continue; nothing was sent"
+            "may own the operation now (take it over again to continue); this step was not sent"
         )
 
 
