@@ -127,6 +127,11 @@ class Settings:
     recovery_web_port: int = 16067
     #: OPLEDGER_RECOVERY_INTERVAL_MS: how often the recovery worker looks for work.
     recovery_interval_ms: int = 500
+    #: OPLEDGER_RECOVERY_UNLEASED_GRACE_S: how long an intent whose lease (and stored request)
+    #: is not in the database yet is left to its writer: a service whose lease commit met a
+    #: database restart is still retrying it (for up to 10 s), and taken over before it has
+    #: stored the request the intent could only be parked.
+    recovery_unleased_grace_s: int = 30
     #: OPLEDGER_PROVIDERS: "module:function" returning the tool providers a worker may call
     #: (called with the settings); empty: none (the worker then only reports what it finds).
     providers: str = ""
@@ -246,6 +251,7 @@ class Settings:
             recovery_group=env.get("OPLEDGER_RECOVERY_GROUP", "opledger-recovery"),
             recovery_web_port=_int(env, "OPLEDGER_RECOVERY_WEB_PORT", 16067),
             recovery_interval_ms=_int(env, "OPLEDGER_RECOVERY_INTERVAL_MS", 500),
+            recovery_unleased_grace_s=_int(env, "OPLEDGER_RECOVERY_UNLEASED_GRACE_S", 30),
             providers=env.get("OPLEDGER_PROVIDERS", ""),
             fake_provider_url=env.get("OPLEDGER_FAKE_PROVIDER_URL", "http://127.0.0.1:16077"),
             delivery_group=env.get("OPLEDGER_DELIVERY_GROUP", "opledger-delivery"),
@@ -308,6 +314,7 @@ class Settings:
                 f"got {self.recovery_interval_ms}"
             )
         for name, least in (
+            ("recovery_unleased_grace_s", 0),
             ("delivery_interval_ms", 10),
             ("delivery_max_attempts", 1),
             ("delivery_horizon_s", 1),

@@ -167,12 +167,13 @@ def execute(
             )
         except RecordError as exc:
             if handle is not None:
-                told(exc, handle)
+                told(exc, handle, leased=core._leases is None or handle.lease is not None)
             raise
 
 
-def told(exc: RecordError, handle: TrackedOperation) -> RecordError:
-    """``exc``, saying what the log holds for ``handle``'s operation and what happens next."""
+def told(exc: RecordError, handle: TrackedOperation, *, leased: bool = True) -> RecordError:
+    """``exc``, saying what the log holds for ``handle``'s operation and what happens next;
+    ``leased``: its lease (with its stored request) was committed."""
     execution = handle.execution
     doubt = handle.in_doubt
     in_doubt = (
@@ -185,6 +186,7 @@ def told(exc: RecordError, handle: TrackedOperation) -> RecordError:
         None if execution is None else execution.state,
         0 if execution is None else execution.attempt,
         in_doubt,
+        request_stored=leased,
     )
     return exc.tell(handle.operation_id, said.holds, said.next_step)
 

@@ -502,8 +502,14 @@ class RecorderCore:
         # intent's acknowledgement are waited for together, not one after the other. If the
         # lease fails, its error is raised and nothing more is appended: the log may then hold
         # this intent (token 1) with no lease and no stored request, which the recovery worker
-        # takes over at once and parks, never dispatches.
-        yield Record(handle, plan, take_lease_then_alongside)
+        # takes over after a grace (OPLEDGER_RECOVERY_UNLEASED_GRACE_S) and parks, never
+        # dispatches. The error says so.
+        try:
+            yield Record(handle, plan, take_lease_then_alongside)
+        except RecordError as exc:
+            if not isinstance(exc, DeliveryError):  # the caller resends those: in doubt
+                execution.told(exc, handle, leased=handle.lease is not None)
+            raise
         return handle
 
     def _step(

@@ -33,10 +33,13 @@ def fate(
     acknowledged: ExecutionState | None,
     attempt: int,
     in_doubt: Collection[ExecutionState] = (),
+    *,
+    request_stored: bool = True,
 ) -> Fate:
     """The fate of ``operation_id`` whose last acknowledged execution state is ``acknowledged``
     (``None``: none acknowledged) at ``attempt``, with appends of ``in_doubt`` states that may
-    or may not have been written."""
+    or may not have been written; ``request_stored`` is False when its lease and request could
+    not be committed (then only its writer could have dispatched it)."""
     ask_again = (
         f"ask for its outcome with the same operation id ({operation_id}: execute() again "
         "with operation_id=, which does not call the tool again, or load()); never retry it "
@@ -60,6 +63,15 @@ def fate(
     holds = f"{operation_id} at {acknowledged.value} (attempt {attempt}){perhaps}"
     if acknowledged in _TERMINAL and not maybe:
         return Fate(holds, "it is finished: nothing more will happen to it", on_the_log=True)
+    if acknowledged is ExecutionState.INTENT_RECORDED and not request_stored and not maybe:
+        return Fate(
+            f"{holds}, without a lease or a stored request (they could not be committed)",
+            "this call did not call the tool, and no one else can dispatch it without its "
+            "request: the recovery worker parks it for a person once "
+            "OPLEDGER_RECOVERY_UNLEASED_GRACE_S has passed (see it with `opledger ops show "
+            f"{operation_id}`); the tool is never called for it unless a person decides so",
+            on_the_log=True,
+        )
     if acknowledged is ExecutionState.INTENT_RECORDED:
         # The tool is called only once DISPATCHED is acknowledged: this call never called it.
         return Fate(

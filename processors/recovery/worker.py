@@ -165,6 +165,7 @@ class RecoveryWorker:
         threads: int = 32,
     ) -> None:
         self._settings = settings
+        self._unleased_grace = timedelta(seconds=settings.recovery_unleased_grace_s)
         self._pool = pool
         self._leases = leases
         self._history = history
@@ -572,6 +573,14 @@ class RecoveryWorker:
                         candidate.lease_token,
                         MAX_TOKEN,
                     )
+                continue
+            if (
+                candidate.lease_token is None
+                and candidate.state is X.INTENT_RECORDED
+                and now - candidate.state_entered_at < self._unleased_grace
+            ):
+                # Its writer may still be committing the lease and the request (a database
+                # restart under it); taken over now, the intent could only be parked.
                 continue
             backoff = self._backoff.get(candidate.operation_id)
             if backoff is not None and monotonic < backoff[0]:

@@ -217,12 +217,14 @@ def test_a_lease_refused_after_the_intent_was_submitted_is_raised_and_nothing_fo
 def test_an_intent_whose_lease_was_never_stored_is_parked_never_called(
     isolated: Settings,
 ) -> None:
-    """PostgreSQL is down for the lease: the caller gets the error, the log holds the intent
+    """PostgreSQL is down for the lease: the caller gets the error, which says the intent is on
+    the log without its request and that a person will decide it; the log holds the intent
     (token 1) with no lease and no stored request; the recovery worker takes it over (token 2:
-    a claim with token 1 would be fenced) as soon as it is projected, parks it, and the tool is
-    never called."""
+    a claim with token 1 would be fenced) once the grace it leaves a writer still committing
+    its lease has passed (OPLEDGER_RECOVERY_UNLEASED_GRACE_S, 1 s here), parks it, and the
+    tool is never called."""
     provider = MemoryProvider(TOOL, TERMS, mode=Mode.NON_IDEMPOTENT)
-    rig = Rig(isolated, provider)
+    rig = Rig(isolated.with_(recovery_unleased_grace_s=1), provider)
     dead = open_pool(
         f"host=127.0.0.1 port={free_port()} dbname=opledger user=opledger", name="test-dead"
     )
@@ -240,8 +242,12 @@ def test_an_intent_whose_lease_was_never_stored_is_parked_never_called(
     op_id = service.new_operation_id()
     service.new_operation_id = lambda: op_id  # type: ignore[method-assign]
     try:
-        with pytest.raises(DatabaseUnavailableError, match="take the lease"):
+        with pytest.raises(DatabaseUnavailableError, match="take the lease") as raised:
             service.execute("acme", "agent-7", TOOL, {"to": "a@example.com"})
+        assert raised.value.operation_id == op_id
+        assert "INTENT_RECORDED" in str(raised.value)
+        assert "without a lease or a stored request" in str(raised.value)
+        assert "parks it for a person" in str(raised.value)
         service.close()
         op = TrackedOperation.unknown(op_id)
         assert _shape(rig.events(op)) == ["INTENT_RECORDED#0"]
