@@ -45,7 +45,10 @@ class ProviderTerms:
     #: how long the provider remembers an idempotency key: a lookup that finds nothing proves
     #: the call did not happen only within this window
     key_retention: timedelta
-    #: a repeat with the same key is deduplicated by the provider (no second side effect)
+    #: a repeat with the same key is deduplicated by the provider (no second side effect); the
+    #: recovery worker makes a new attempt after a not-found only when this and the policy
+    #: grant's ``repeat_safe`` both say so, and records both in its decision
+    #: (``ledger.domain.reconcile.decide``)
     repeat_safe: bool
     #: the credential scope this tool needs (checked against the policy grant), if any
     required_scope: str | None = None

@@ -283,6 +283,9 @@ class ReconciliationDecided(_Event):
     result_ref: ContentRef | None = None
     policy_version: EventId | None = None
     policy_allowed: bool = False
+    #: what the provider's terms declared: a repeat under the same key makes no second effect
+    #: (None in decisions written before it was recorded)
+    provider_repeat_safe: bool | None = None
     reason: ErrorText
 
     @model_validator(mode="after")
@@ -291,6 +294,11 @@ class ReconciliationDecided(_Event):
             raise ValueError("MARK_SUCCEEDED needs the recovered result_ref, stored first")
         if self.decision is Decision.NEW_ATTEMPT and not self.policy_allowed:
             raise ValueError("NEW_ATTEMPT needs policy_allowed: only policy permits a repeat")
+        if self.decision is Decision.NEW_ATTEMPT and self.provider_repeat_safe is False:
+            raise ValueError(
+                "NEW_ATTEMPT needs a repeat-safe provider: a not-found can be overtaken by the "
+                "call still in flight, and only the provider's deduplication makes that one effect"
+            )
         return self
 
 

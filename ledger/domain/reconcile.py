@@ -13,8 +13,19 @@ not found          dispatched longer ago than the provider     PARK: a not-found
                    keeps idempotency keys                      once the key may be forgotten
 not found          policy refuses a new attempt now            REFUSE (revoked, expired,
                                                                cancelled, not repeat-safe...)
-not found          policy explicitly allows a repeat           NEW_ATTEMPT, same key, attempt+1
+not found          policy allows a repeat, but the provider    PARK: the call in flight could
+                   does not declare repeats safe               still land after the lookup
+not found          policy explicitly allows a repeat and the   NEW_ATTEMPT, same key, attempt+1
+                   provider deduplicates the key
 =================  ==========================================  ===============================
+
+A new attempt needs two facts, both recorded in the decision (``policy_allowed`` with
+``policy_version``, and ``provider_repeat_safe``): a person's grant that says a repeat of this tool
+is allowed (``repeat_safe`` on the grant), and the provider's own terms saying a repeat under the
+same key is deduplicated (``ProviderTerms.repeat_safe``). A not-found proves the call did not
+happen only as of the lookup: the original request may still be on its way to the provider, and
+only the provider's deduplication turns it and the new attempt into one effect
+(docs/decisions/027-what-permits-a-new-attempt.md).
 
 A found outcome is recorded even when policy now refuses: the outcome records what happened, the
 refusal what is allowed, and a successful lookup never turns a refusal into permission.
@@ -74,6 +85,7 @@ def decide(
     dispatched_at: datetime,
     now: datetime,
     key_retention: timedelta,
+    provider_repeat_safe: bool,
 ) -> Verdict:
     """The reconciliation of one UNKNOWN attempt (see the module's table)."""
     if lookup is LookupStatus.FOUND_SUCCEEDED:
@@ -93,8 +105,16 @@ def decide(
         )
     if not policy.allowed:
         return Verdict(Decision.REFUSE, f"no new attempt: {policy.reason}")
+    if not provider_repeat_safe:
+        return Verdict(
+            Decision.PARK,
+            "the provider has no record of the key and policy allows a repeat, but the "
+            "provider does not declare a repeat under the same key safe: the call in flight "
+            "could still land after the lookup, and a new attempt would be a second effect; a "
+            "person decides",
+        )
     return Verdict(
         Decision.NEW_ATTEMPT,
-        f"the provider has no record of the key within its {key_retention} retention and "
-        f"policy allows a repeat ({policy.reason})",
+        f"the provider has no record of the key within its {key_retention} retention, "
+        f"deduplicates a repeat of it, and policy allows a repeat ({policy.reason})",
     )

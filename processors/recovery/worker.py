@@ -784,7 +784,12 @@ class RecoveryWorker:
         )
         retention = state.provider.terms.key_retention
         verdict = decide(
-            lookup_status, policy, dispatched_at=dispatched_at, now=now, key_retention=retention
+            lookup_status,
+            policy,
+            dispatched_at=dispatched_at,
+            now=now,
+            key_retention=retention,
+            provider_repeat_safe=state.provider.terms.repeat_safe,
         )
         ahead = dispatched_at - now
         if verdict.decision is Decision.NEW_ATTEMPT and ahead > CLOCK_SKEW_TOLERANCE:
@@ -1079,6 +1084,7 @@ class RecoveryWorker:
             result_ref=result_ref,
             policy_version=policy.version,
             policy_allowed=policy.allowed,
+            provider_repeat_safe=state.provider.terms.repeat_safe,
             reason=_text(reason),
         )
 

@@ -278,11 +278,38 @@ def test_not_found_with_policy_allowing_a_repeat_makes_one_new_attempt(rig: Rig)
     ]
     assert [d.decision for d in decisions] == [Decision.NEW_ATTEMPT]
     assert decisions[0].policy_allowed and decisions[0].policy_version
+    assert decisions[0].provider_repeat_safe is True, "the provider's terms are evidence too"
     assert dispatches[0].decision_id == decisions[0].event_id, "the dispatch cites its evidence"
     assert rig.policy.asked[-1].purpose is Purpose.NEW_ATTEMPT
     assert rig.sample("opledger_reconciliations_total", {"outcome": "new_attempt"}) == 1
     lookups = {"tool": TOOL, "result": "NOT_FOUND"}
     assert rig.sample("opledger_provider_lookups_total", lookups) == 1
+
+
+def test_a_tool_its_provider_declares_not_repeat_safe_is_parked_although_policy_allows(
+    isolated: Settings,
+) -> None:
+    """The grant allows a repeat, the lookup finds nothing, but the provider's terms do not say
+    a repeat under the same key is deduplicated: the call in flight could still land, so no new
+    attempt; the decision records both facts, and a person decides (an outside soak saw 36 new
+    attempts of such a tool, allowed by the grant alone)."""
+    rig = Rig(isolated, MemoryProvider(TOOL, _terms(repeat_safe=False), mode=Mode.NON_IDEMPOTENT))
+    try:
+        op = rig.abandoned(unknown=True)
+        rig.recover(passes=2)
+        state, attempt, parked, decision, _ref = rig.row(op)
+        assert (state, attempt, decision) == ("UNKNOWN", 1, "PARK")
+        assert parked and "does not declare a repeat under the same key safe" in parked
+        assert rig.provider.stats().calls == 0, "no new attempt"
+        decisions = [e for e in rig.events(op) if isinstance(e, ReconciliationDecided)]
+        assert [(d.decision, d.lookup) for d in decisions] == [
+            (Decision.PARK, LookupStatus.NOT_FOUND)
+        ]
+        assert decisions[0].policy_allowed and decisions[0].policy_version == GRANT
+        assert decisions[0].provider_repeat_safe is False
+        assert rig.sample("opledger_reconciliations_total", {"outcome": "parked"}) == 1
+    finally:
+        rig.close()
 
 
 def test_not_found_past_the_key_retention_is_parked_never_re_executed(isolated: Settings) -> None:

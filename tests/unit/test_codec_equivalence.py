@@ -168,11 +168,13 @@ def test_a_boolean_byte_other_than_0_or_1_is_refused() -> None:
 
 def _with_flag(event: ReconciliationDecided, flag: bytes) -> bytes:
     """``event`` encoded with ``flag`` as the policy_allowed byte (written by hand: the field
-    comes right before the last one, the reason)."""
+    comes right before provider_repeat_safe, here null (union branch 0, one byte), and the
+    last one, the reason)."""
+    assert event.provider_repeat_safe is None
     reason = event.reason.encode()
     size = len(reason)
     assert size < 0x40, "a one-byte length keeps the arithmetic simple"
-    tail = bytes([size << 1]) + reason
+    tail = b"\x00" + bytes([size << 1]) + reason
     data = CODEC.encode(event)
     assert data.endswith(b"\x01" + tail)
     return data[: -len(tail) - 1] + flag + tail
