@@ -24,6 +24,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger import migrate
+from ledger.domain.call import storable_content_type
 from ledger.domain.ids import SHA256_REF_RE, content_ref
 from ledger.errors import ResultStoreError
 from ledger.pg import (
@@ -43,12 +44,6 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 COMPONENT = "ledger"
 
-# type/subtype with optional parameters (RFC 9110 token characters), kept deliberately strict:
-# the value is echoed in HTTP headers by the delivery worker.
-_CONTENT_TYPE = re.compile(
-    r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*"
-    r"(\s*;\s*[A-Za-z0-9!#$&^_.+-]+=(\"[^\"\r\n]*\"|[A-Za-z0-9!#$&^_.+-]+))*$"
-)
 # Same shape as the events' Identifier so a stored result's tenant is one an event can carry.
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 
@@ -201,17 +196,6 @@ def _again(exc: ResultStoreError) -> ResultStoreError:
     return copy
 
 
-#: What a result is labelled when the label it came with cannot be stored: its bytes, unnamed.
-UNLABELLED = "application/octet-stream"
-
-
-def recordable_content_type(content_type: str) -> str:
-    """``content_type`` if the store takes it, else :data:`UNLABELLED`: for a label from outside
-    (a provider's answer), which must not make a result that exists unstorable."""
-    valid = isinstance(content_type, str) and len(content_type) <= 255
-    return content_type if valid and _CONTENT_TYPE.match(content_type) else UNLABELLED
-
-
 def _check_tenant(tenant_id: str) -> None:
     if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
         raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")
@@ -300,7 +284,7 @@ class ResultStore:
                 f"result is {len(payload)} bytes; the limit is {MAX_RESULT_BYTES} "
                 "(store large results elsewhere and record their address)"
             )
-        if len(content_type) > 255 or not _CONTENT_TYPE.match(content_type):
+        if not storable_content_type(content_type):
             raise ResultStoreError(f"not a valid content type: {content_type!r}")
         return PreparedResult(tenant_id, content_ref(payload), content_type, payload)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
+from ledger.domain.call import CallOutcome
 from ledger.domain.reconcile import LookupStatus
 
 __all__ = [
@@ -52,19 +53,6 @@ class ProviderTerms:
     repeat_safe: bool
     #: the credential scope this tool needs (checked against the policy grant), if any
     required_scope: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CallOutcome:
-    """A confirmed outcome. ``succeeded`` False is a *confirmed* failure: the provider says the
-    side effect did not happen. An unknown outcome raises :class:`ContactLost` instead."""
-
-    succeeded: bool
-    result: bytes | None = None
-    content_type: str = "application/json"
-    error: str | None = None
-    #: the provider's own id for the call, when it has one
-    provider_ref: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ threaded one in the calling thread, the asyncio one without blocking its event l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -36,14 +35,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter, ValidationError
 
 from ledger.domain import ids
+from ledger.domain.call import judge_answer, judge_raised
 from ledger.domain.events import (
     ExecutionTransitioned,
     Identifier,
     OperationId,
     OwnershipTaken,
     ReconciliationDecided,
-    recordable_provider_ref,
-    storable_text,
 )
 from ledger.domain.fate import fate
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
@@ -59,8 +57,8 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.faults import fault_point
-from ledger.results import MAX_RESULT_BYTES, recordable_content_type
-from ledger.tools import AsyncProvider, CallOutcome, ContactLost, Provider
+from ledger.results import MAX_RESULT_BYTES
+from ledger.tools import AsyncProvider, ContactLost, Provider
 from producers.operation import OperationState, TrackedOperation
 from producers.steps import Blocking, Call, Interrupted, Pause, Record, Steps
 
@@ -410,11 +408,17 @@ def _dispatch_and_call(
     except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
         # Never retried here: only reconciliation (a lookup by this key) may decide.
         interrupted = exc.original if isinstance(exc, Interrupted) else None
-        lost: str | BaseException = exc
         if interrupted is not None:
-            lost = f"contact lost after dispatch: the call was interrupted ({interrupted!r})"
-        elif isinstance(exc, ContactLost):
-            lost = f"contact lost after dispatch: {exc}"
+            judged = judge_raised(
+                type(interrupted).__name__,
+                f"the call was interrupted ({interrupted!r})",
+                contact_lost=True,
+            )
+        else:
+            judged = judge_raised(
+                type(exc).__name__, str(exc), contact_lost=isinstance(exc, ContactLost)
+            )
+        lost = judged.error or "contact lost after dispatch"
         if interrupted is None:
             yield from _left_unknown(core, handle, lost)
             return _report(handle, error=str(lost), policy=decision)
@@ -436,35 +440,26 @@ def _dispatch_and_call(
         )
         raise interrupted from None
     fault_point("execute.after_response_before_result")
-    outcome = _checked_outcome(answer)
-    if isinstance(outcome, str):
-        yield from _left_unknown(core, handle, outcome)
-        return _report(handle, error=outcome, policy=decision)
-    if not outcome.succeeded:
-        # The provider's words, recorded as said even where no store could hold them.
-        error = storable_text(outcome.error or "the provider reported a failure")
+    judged = judge_answer(answer, max_result_bytes=MAX_RESULT_BYTES)
+    if judged.state is ExecutionState.UNKNOWN:
+        # A shape that cannot say whether the call happened, or a result no store takes: an
+        # exception here could be retried by the caller; UNKNOWN leaves it to reconciliation.
+        assert judged.error is not None
+        yield from _left_unknown(core, handle, judged.error)
+        return _report(handle, error=judged.error, policy=decision)
+    if judged.state is ExecutionState.FAILED:
+        error = judged.error
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=error))
         return _report(handle, error=error, policy=decision)
-    result = outcome.result if outcome.result is not None else b""
-    if len(result) > MAX_RESULT_BYTES:
-        # The effect happened but its result cannot be stored: an exception here could be
-        # retried by the caller. UNKNOWN leaves it to reconciliation, which parks it.
-        unstorable = (
-            f"the provider succeeded, but its result is {len(result)} bytes, over the result "
-            f"store's limit of {MAX_RESULT_BYTES}: left for reconciliation (it is not called "
-            "again)"
-        )
-        yield from _left_unknown(core, handle, unstorable)
-        return _report(handle, error=unstorable, policy=decision)
     succeeded = core._step(
         handle,
         ExecutionState.SUCCEEDED,
-        result=result,
-        content_type=recordable_content_type(outcome.content_type),
-        provider_ref=recordable_provider_ref(outcome.provider_ref),
+        result=judged.result,
+        content_type=judged.content_type,
+        provider_ref=judged.provider_ref,
     )
     yield from recorded(core, handle, succeeded)
-    return _report(handle, result=result, policy=decision)
+    return _report(handle, result=judged.result, policy=decision)
 
 
 def _left_unknown(
@@ -476,29 +471,6 @@ def _left_unknown(
     leases, lease = core._leases, handle.lease
     if lease is not None and leases is not None:
         yield Blocking(lambda: leases.release([lease]))
-
-
-def _checked_outcome(answer: Any) -> CallOutcome | str:
-    """The provider's answer when it is a :class:`CallOutcome` as declared, else why not: an
-    answer of another shape cannot say whether the call happened, so it is UNKNOWN (as a lookup
-    that is not a LookupResult is "cannot tell", decision 018), never an exception the caller
-    could retry."""
-    if not isinstance(answer, CallOutcome):
-        problem = f"answered with {type(answer).__name__}, not a CallOutcome"
-    elif not isinstance(answer.succeeded, bool):
-        problem = f"answered succeeded={type(answer.succeeded).__name__}, not a bool"
-    elif isinstance(answer.result, bytearray | memoryview):
-        return dataclasses.replace(answer, result=bytes(answer.result))
-    elif answer.result is not None and not isinstance(answer.result, bytes):
-        problem = f"answered a result of type {type(answer.result).__name__}, not bytes"
-    elif answer.error is not None and not isinstance(answer.error, str):
-        problem = f"answered an error of type {type(answer.error).__name__}, not str"
-    else:
-        return answer
-    return (
-        f"the provider {problem}: whether the call happened cannot be told from it; left for "
-        "reconciliation (it is not called again)"
-    )
 
 
 def _check_policy(

@@ -42,6 +42,7 @@ from psycopg_pool import ConnectionPool
 
 from ledger.codec import Codec
 from ledger.domain import ids
+from ledger.domain.call import judge_answer, judge_raised, recordable_content_type
 from ledger.domain.events import (
     ExecutionTransitioned,
     OperationEvent,
@@ -63,12 +64,7 @@ from ledger.log import LogTopics, LogWriter, OutgoingRecord, Positions, Transpor
 from ledger.metrics import Metrics
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.policy_store import PolicyFreshness, PolicyViewStaleError
-from ledger.results import (
-    MAX_RESULT_BYTES,
-    PreparedResult,
-    ResultStore,
-    recordable_content_type,
-)
+from ledger.results import MAX_RESULT_BYTES, PreparedResult, ResultStore
 from ledger.secrets import cut_tokens, scrub
 from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, LookupResult, Provider
@@ -979,31 +975,26 @@ class RecoveryWorker:
             return
         fault_point("recover.after_dispatch_before_call")
         try:
-            outcome = self._bounded_call(provider, request, key)
+            answer: object = self._bounded_call(provider, request, key)
         except Exception as exc:  # an unconfirmed outcome is UNKNOWN, by design
-            lost = f"contact lost after dispatch: {exc}" if isinstance(exc, ContactLost) else exc
-            self._append(state, [self._transition(state, X.UNKNOWN, error=_text(lost))])
-            self._metrics.provider_calls.labels(provider.tool_name, "unknown").inc()
-            if label == "resumed":
-                state.counted.append(self._metrics.resumed.labels("unknown"))
-            return
-        if outcome.succeeded:
-            result = outcome.result if outcome.result is not None else b""
-            result_ref = self._results.put(
-                state.execution.tenant_id, result, recordable_content_type(outcome.content_type)
+            judged = judge_raised(
+                type(exc).__name__,
+                cut_tokens(str(exc), MAX_ERROR),
+                contact_lost=isinstance(exc, ContactLost),
             )
-            event = self._transition(
-                state,
-                X.SUCCEEDED,
-                result_ref=result_ref,
-                provider_ref=recordable_provider_ref(outcome.provider_ref),
-            )
-            label_outcome = "succeeded"
         else:
-            event = self._transition(
-                state, X.FAILED, error=_text(outcome.error or "the provider reported a failure")
+            judged = judge_answer(answer, max_result_bytes=MAX_RESULT_BYTES)
+        if judged.state is X.SUCCEEDED:
+            assert judged.result is not None
+            result_ref = self._results.put(
+                state.execution.tenant_id, judged.result, judged.content_type
             )
-            label_outcome = "failed"
+            event = self._transition(
+                state, X.SUCCEEDED, result_ref=result_ref, provider_ref=judged.provider_ref
+            )
+        else:
+            event = self._transition(state, judged.state, error=_text(judged.error or ""))
+        label_outcome = judged.state.value.lower()
         self._append(state, [event])
         self._metrics.provider_calls.labels(provider.tool_name, label_outcome).inc()
         if label == "resumed":

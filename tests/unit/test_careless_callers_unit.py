@@ -9,9 +9,11 @@ from typing import Any, cast
 
 import pytest
 
+from ledger.domain.call import judge_answer
+from ledger.domain.states import ExecutionState
 from ledger.tools import CallOutcome
 from producers import ForkedRecorderError, InvalidTransitionError, RecorderClosedError
-from producers.execution import _check_identity, _checked_outcome
+from producers.execution import _check_identity
 from producers.recorder import RecorderCore, canonical_request
 from producers.steps import Call, Interrupted, _outcome
 
@@ -52,12 +54,14 @@ _ODD: list[Any] = [
 
 @pytest.mark.parametrize("answer", _ODD)
 def test_an_answer_of_another_shape_cannot_tell(answer: Any) -> None:
-    assert isinstance(_checked_outcome(answer), str)
+    assert judge_answer(answer, max_result_bytes=100).state is ExecutionState.UNKNOWN
 
 
 def test_a_memoryview_result_becomes_bytes() -> None:
-    checked = _checked_outcome(CallOutcome(True, result=memoryview(b"ok")))  # type: ignore[arg-type]
-    assert isinstance(checked, CallOutcome) and checked.result == b"ok"
+    answer = CallOutcome(True, result=memoryview(b"ok"))  # type: ignore[arg-type]
+    judged = judge_answer(answer, max_result_bytes=100)
+    assert judged.state is ExecutionState.SUCCEEDED and judged.result == b"ok"
+    assert isinstance(judged.result, bytes)
 
 
 def test_an_interrupted_call_is_handed_to_the_steps() -> None:
