@@ -1,9 +1,9 @@
 """Random bytes for ids (ULIDs' 80 random bits), drawn from the operating system a block at a time.
 
 ``os.urandom`` lets go of the GIL around its system call, so every id a busy process made waited
-to take the GIL back from whichever thread ran meanwhile: with one other thread busy, 434 µs a
-call against 4.1 µs from a block (``bench/bench_entropy.py``, one run on the 2-core box; alone,
-0.6 against 0.9 µs). The bytes are the same kind (the kernel's CSPRNG), only fetched 4 KiB at a
+to take the GIL back from whichever thread ran meanwhile: with one other thread busy, a call
+took about a hundred times longer than one from a block (``bench/bench_entropy.py``; figures
+in ``bench/README.md``). The bytes are the same kind (the kernel's CSPRNG), only fetched 4 KiB at a
 time. A forked child starts from a fresh block, so a
 parent and its child never hand out the same bytes.
 """

@@ -3,7 +3,7 @@
 A worker's start-up leaves tens of thousands of long-lived objects behind (modules, classes,
 pydantic models, Avro schemas, its clients). CPython's full collection walks every one of them,
 and a busy worker runs one every few seconds: ``bench/bench_gc_pause.py`` prints that pause
-(about 20 ms on the 2-core box) and the same collection after the freeze. A pause that long
+and the same collection after the freeze (figures in ``bench/README.md``). A pause that long
 sits in the receiver's p99 (``bench/bench_consumer_receiver.py``). What start-up allocated
 lives as long as the process, so it is frozen out of the collector's reach; what is allocated
 later is collected as before.

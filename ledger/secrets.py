@@ -12,10 +12,10 @@ each one's ``analyze_line``. That never writes shared state (the high-entropy pl
 swap their regex in eager mode, which is not used) and only reads the settings singleton to
 see whether network verification was switched on, which opledger never does.
 
-It is slow (``bench/bench_scrub.py``, p50 on the shared 2-core machine): ~0.12 ms for an
-ordinary 200-character error text and ~0.4 ms for 1000 characters; ~0.9 ms and ~3.4 ms when
-the text names a key (the keyword plugin wakes up); 2.5-18 times the domain pass alone. Fine
-for error texts and log lines; keep it off every per-event path.
+It is slow (``bench/bench_scrub.py``; figures in ``bench/README.md``): a fraction of a
+millisecond for an ordinary error text, several times that when the text names a key (the
+keyword plugin wakes up), and many times the domain pass alone. Fine for error texts and log
+lines; keep it off every per-event path.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from ledger.domain.redact import (
 # Beside each plugin, lower-case literals of which every one of its matches contains at least
 # one; a line without any is skipped. These plugins' patterns start with a case-insensitive
 # alternation of key names, which the regex engine tries at every position: KeywordDetector
-# alone costs ~1.7 ms per 1000 characters. tests/unit/test_redact.py checks the literals
+# alone is the costliest of them (bench/bench_scrub.py). tests/unit/test_redact.py checks the literals
 # against the plugins' own word lists.
 _KEY_OR_PASS = ("key", "pwd", "pass", "token")
 _PLUGINS: tuple[tuple[BasePlugin, tuple[str, ...]], ...] = (
@@ -159,8 +159,8 @@ def _cut(text: str, length: int) -> str:
 
 def cut_tokens(text: str, limit: int) -> str:
     """``text`` cut to about ``limit`` characters before it is scrubbed, at a whitespace: the
-    scrub's cost grows faster than its input (a 1,000-character text shaped for detect-secrets'
-    keyword detector took 0.26 s here, 10,000 over 17 s), so text from outside (a destination's
+    scrub's cost grows faster than its input (a text shaped for detect-secrets' keyword detector
+    takes seconds once it is long: bench/README.md), so text from outside (a destination's
     answer) is cut first. A token the cut would split is dropped whole, so no part of a secret
     is left for the scrub to miss."""
     if len(text) <= limit:

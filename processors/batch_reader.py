@@ -1,10 +1,9 @@
 """The projector's read path: a confluent-kafka consumer polled in batches, beneath faust.
 
-Why not a faust agent: on this 2-core machine a faust agent that only counts our events reads
-about 12-13k events/s (its per-event path, ``take`` or plain iteration alike), below the
-projector's 20k/s target, while a batch ``consume()`` loop reads about 1M/s and about 93k/s
-with every record decoded (``bench/bench_read_path.py``). faust still hosts this loop as a
-service (worker lifecycle, signals, web /metrics); the loop just reads beneath the per-event
+Why not a faust agent: its per-event path (``take`` or plain iteration alike) reads an order of
+magnitude fewer events per second than a batch ``consume()`` loop, below the projector's target
+(``bench/bench_read_path.py``; figures in ``bench/README.md``). faust still hosts this loop as
+a service (worker lifecycle, signals, web /metrics); the loop just reads beneath the per-event
 stream.
 
 Partitions are assigned, not subscribed: positions live in PostgreSQL with the rows they produced,
@@ -266,9 +265,9 @@ class BatchProjector:
             overrides={
                 # Short, although the broker answers a fetch as soon as a record arrives: a seek
                 # (a delivery partition rewound until its execution is projected) waits for the
-                # fetch in flight. With 500 ms, test_projector_hardening's refused-records test
-                # took 582 s instead of 41 s (2026-12-01). The price: an idle projector fetches
-                # 50 times a second, about 0.04 of a core in the broker.
+                # fetch in flight, and a long wait made the refused-records test of
+                # test_projector_hardening an order of magnitude slower (bench/README.md). The
+                # price: an idle projector fetches 50 times a second.
                 "fetch.wait.max.ms": 20,
                 "queued.max.messages.kbytes": 65536,
                 "error_cb": self._on_client_error,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
@@ -135,21 +135,6 @@ class TrackedOperation:
         self._in_doubt: InDoubt | None = None
         #: the lease this process advances the operation under (None: recorded without leases)
         self.lease = lease
-
-    @classmethod
-    def from_records(
-        cls, execution: ExecutionRecord | None, deliveries: Iterable[DeliveryRecord] = ()
-    ) -> TrackedOperation:
-        """Rebuild a handle from stored records (recovery after a restart)."""
-        deliveries = list(deliveries)
-        ids = {r.operation_id for r in deliveries}
-        if execution is not None:
-            ids.add(execution.operation_id)
-        if len(ids) != 1:
-            raise ValueError(f"records must belong to exactly one operation, got {sorted(ids)}")
-        if execution is not None and any(d.tenant_id != execution.tenant_id for d in deliveries):
-            raise ValueError("delivery records belong to another tenant than the execution")
-        return cls(OperationState(ids.pop(), execution, {d.destination: d for d in deliveries}))
 
     @classmethod
     def unknown(cls, operation_id: str) -> TrackedOperation:

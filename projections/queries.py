@@ -240,10 +240,6 @@ class Summary:
     #: tenant -> age of its oldest UNKNOWN operation (tenants with none are absent)
     oldest_unknown: dict[str, timedelta]
 
-    def executions_total(self, tenant_id: str) -> int:
-        """Operations of ``tenant_id`` in any state."""
-        return sum(self.executions.get(tenant_id, {}).values())
-
 
 # -- validation -----------------------------------------------------------------------------------
 

@@ -59,8 +59,6 @@ DELIVERY_INITIAL: frozenset[DeliveryState] = frozenset({_D.PENDING})
 
 EXECUTION_TERMINAL = frozenset(s for s, nxt in EXECUTION_TRANSITIONS.items() if not nxt)
 DELIVERY_TERMINAL = frozenset(s for s, nxt in DELIVERY_TRANSITIONS.items() if not nxt)
-#: Delivery states no worker moves on from: ACKED for good, DEAD_LETTERED until a redrive.
-DELIVERY_FINISHED = frozenset({_D.ACKED, _D.DEAD_LETTERED})
 
 
 def execution_predecessors(state: ExecutionState) -> frozenset[ExecutionState]:

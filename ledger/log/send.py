@@ -182,8 +182,7 @@ class KafkaTransport:
         self._producer = producer_factory(config)
         #: True once this producer had a record acknowledged. A fresh idempotent client
         #: handed a record in its first milliseconds often holds it about half a second
-        #: (``bench/bench_first_produce.py``: 9 of 10 first acks over 300 ms when produced at
-        #: once, 0 of 10 when produced 5 ms later or without idempotence), so a caller with
+        #: (``bench/bench_first_produce.py``; figures in ``bench/README.md``), so a caller with
         #: other work to do does that first while this is False.
         self.warm = False
         self._wait_s = delivery_timeout_s + _REPORT_GRACE_S
