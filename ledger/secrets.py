@@ -70,8 +70,8 @@ from ledger.domain.redact import (
 # Beside each plugin, lower-case literals of which every one of its matches contains at least
 # one; a line without any is skipped. These plugins' patterns start with a case-insensitive
 # alternation of key names, which the regex engine tries at every position: KeywordDetector
-# alone is the costliest of them (bench/bench_scrub.py). tests/unit/test_redact.py checks the literals
-# against the plugins' own word lists.
+# alone is the costliest of them (bench/bench_scrub.py). tests/unit/test_redact.py checks the
+# literals against the plugins' own word lists.
 _KEY_OR_PASS = ("key", "pwd", "pass", "token")
 _PLUGINS: tuple[tuple[BasePlugin, tuple[str, ...]], ...] = (
     (AWSKeyDetector(), ()),
