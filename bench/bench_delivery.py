@@ -302,7 +302,7 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
         on_assign(consumer, partitions)
 
     worker._on_assign = noting_assignment
-    freeze_startup_heap()  # as the worker's host does once it has started (processors/app.py)
+    freeze_startup_heap()  # as the worker's host does once it has started (processors/host.py)
     try:
         worker.join()
         acked = metrics.deliveries.labels(DESTINATION, "acked")

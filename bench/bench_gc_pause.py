@@ -1,10 +1,10 @@
 """Full-collection pause of a worker process, before and after its start-up heap is frozen.
 
 Not a test; needs no stack. This process imports and builds what a worker's start-up leaves
-behind (faust, aiokafka, confluent-kafka, psycopg, pydantic models, the Avro schemas, the
+behind (aiohttp, confluent-kafka, psycopg, pydantic models, the Avro schemas, the
 receiver's routes), then times ``gc.collect()`` (a full collection, which is what a long-running
 worker pays every few seconds under load) ``--rounds`` times, then calls
-``ledger.heap.freeze_startup_heap()`` (what ``processors/app.py`` and the receiver do once
+``ledger.heap.freeze_startup_heap()`` (what ``processors/host.py`` and the receiver do once
 started) and times the same collections again. The baseline is the first measurement.
 
     PYTHONPATH=. .venv/bin/python bench/bench_gc_pause.py [--rounds 20]
@@ -20,12 +20,11 @@ import time
 
 def load_worker_modules() -> int:
     """Import what the workers import and touch what they build at start-up; tracked objects."""
-    import faust  # noqa: F401, PLC0415
     import prometheus_client  # noqa: PLC0415
 
     import consumers.receiver  # noqa: F401, PLC0415
-    import processors.app  # noqa: PLC0415
     import processors.delivery.worker  # noqa: PLC0415
+    import processors.host  # noqa: PLC0415
     import processors.recovery.worker  # noqa: F401, PLC0415
     import projections.writer  # noqa: F401, PLC0415
     from ledger import codec  # noqa: PLC0415

@@ -358,7 +358,7 @@ def main() -> None:
             raw_per_s = raw_lookups(provider, op_ids, args.threads)
             raw_many_per_s = raw_lookup_many(provider, op_ids)
             built = build_worker(settings, provider, args.threads)
-            freeze_startup_heap()  # as the worker host does once started (processors/app.py)
+            freeze_startup_heap()  # as the worker host does once started (processors/host.py)
             main_profile = cProfile.Profile() if args.profile else None
             thread_profiles = ThreadProfiles()
             if args.profile:

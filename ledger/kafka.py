@@ -3,9 +3,7 @@
 Every confluent-kafka producer, consumer and admin client opledger creates takes its
 configuration from here (``tests/unit/test_kafka_config_factory.py`` checks the source), so
 durability (idempotence, acks), partitioning (murmur2, as Java clients) and logging are decided
-once. The faust app the projector, recovery and delivery workers host runs aiokafka clients of
-its own for its app group, configured in ``processors/app.py``; no record of ours passes
-through them.
+once; ``ledger.log.clients`` constructs every client from them.
 
 librdkafka's own log is routed into Python logging (logger ``opledger.kafka``) instead of
 stderr, and a repeated line - a client retrying a dead broker logs one every second or so - is

@@ -14,7 +14,6 @@ import asyncio
 import getpass
 import logging
 import os
-import socket
 import sys
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
@@ -26,14 +25,17 @@ from opledger.arguments import overlap_hours
 
 if TYPE_CHECKING:
     from processors.delivery.worker import DeliveryWorker
+    from processors.host import Hosted
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
-    """The faust app, the worker, and what to close afterwards; wired, not started."""
+def build(settings: Settings) -> tuple[Hosted, DeliveryWorker, list[Any]]:
+    """The hosted worker (with its results page), the worker, and what to close afterwards;
+    wired, not started."""
+    from aiohttp import web  # noqa: PLC0415
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
     from ledger.destinations import DestinationStore  # noqa: PLC0415
@@ -43,10 +45,10 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
     from ledger.pg import open_pool  # noqa: PLC0415
     from ledger.policy_store import PolicyStore  # noqa: PLC0415
     from ledger.results import ResultStore  # noqa: PLC0415
-    from processors.app import create_app  # noqa: PLC0415
     from processors.delivery.result_endpoint import ResultEndpoint  # noqa: PLC0415
     from processors.delivery.senders import WebhookSender  # noqa: PLC0415
     from processors.delivery.worker import DeliveryWorker  # noqa: PLC0415
+    from processors.host import Hosted  # noqa: PLC0415
 
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
@@ -71,24 +73,27 @@ def build(settings: Settings) -> tuple[Any, DeliveryWorker, list[Any]]:
         webhooks=webhooks,
         metrics=metrics,
     )
-    app = create_app(
-        settings,
+    endpoint = ResultEndpoint(pool, DestinationStore(pool), ResultStore(pool))
+
+    async def results(request: web.Request) -> web.Response:
+        operation_id = request.match_info["operation_id"]
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        answer = await asyncio.to_thread(endpoint.fetch, operation_id, dict(request.query), headers)
+        metrics.result_fetches.labels(answer.outcome).inc()
+        # As a header: aiohttp's content_type refuses parameters ("; charset=utf-8"), which a
+        # stored result's label may carry (validated as a media type when it was stored).
+        return web.Response(
+            body=answer.body, status=answer.status, headers={"Content-Type": answer.content_type}
+        )
+
+    hosted = Hosted(
         worker,
         registry,
         name="delivery",
         web_port=settings.delivery_web_port,
-        instance_id=f"{socket.gethostname()}-{os.getpid()}",
+        pages={"/results/{operation_id}": results},
     )
-    endpoint = ResultEndpoint(pool, DestinationStore(pool), ResultStore(pool))
-
-    async def results(web: Any, request: Any, operation_id: str) -> Any:
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        answer = await asyncio.to_thread(endpoint.fetch, operation_id, dict(request.query), headers)
-        metrics.result_fetches.labels(answer.outcome).inc()
-        return web.bytes(answer.body, content_type=answer.content_type, status=answer.status)
-
-    app.page("/results/{operation_id}")(results)
-    return app, worker, [webhooks, history, transport, pool]
+    return hosted, worker, [webhooks, history, transport, pool]
 
 
 def with_allowed(settings: Settings, networks: str | None) -> Settings:
@@ -108,11 +113,10 @@ def with_allowed(settings: Settings, networks: str | None) -> Settings:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger deliver run``: deliver results until SIGTERM/SIGINT."""
-    import faust  # noqa: PLC0415
-
     from ledger.secrets import RedactingFilter  # noqa: PLC0415
     from ledger.topics import ensure_topics  # noqa: PLC0415
     from opledger import db  # noqa: PLC0415
+    from processors.host import serve  # noqa: PLC0415
 
     settings = with_allowed(settings, args.allow_networks)
     faults.arm(settings.fault_points)
@@ -128,14 +132,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         )
     ensure_topics(settings)
     db.migrate(settings.dsn)
-    app, _worker, owned = build(settings)
+    hosted, _worker, owned = build(settings)
     try:
-        worker = faust.Worker(app, loglevel=settings.log_level.lower(), quiet=True)
-        worker.execute_from_commandline()
+        return serve(settings, hosted)
     finally:
         for item in owned:
             item.close()
-    return EXIT_OK
 
 
 # -- destinations ------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
-import socket
 from typing import TYPE_CHECKING, Any
 
 from ledger import faults
@@ -19,6 +17,7 @@ from ledger.settings import Settings
 
 if TYPE_CHECKING:
     from ledger.tools import Provider
+    from processors.host import Hosted
     from processors.recovery.worker import RecoveryWorker
 
 
@@ -34,9 +33,11 @@ def load_providers(settings: Settings, default: str = "") -> list[Provider]:
     return providers
 
 
-def build(settings: Settings, default_providers: str = "") -> tuple[Any, RecoveryWorker, list[Any]]:
-    """The faust app, the worker, and what to close afterwards; wired, not started."""
-    # Imported here: other subcommands must not pay for faust, psycopg_pool and the rest.
+def build(
+    settings: Settings, default_providers: str = ""
+) -> tuple[Hosted, RecoveryWorker, list[Any]]:
+    """The hosted worker, the worker, and what to close afterwards; wired, not started."""
+    # Imported here: other subcommands must not pay for psycopg_pool and the rest.
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
     from ledger.history import HistoryReader  # noqa: PLC0415
@@ -46,7 +47,7 @@ def build(settings: Settings, default_providers: str = "") -> tuple[Any, Recover
     from ledger.pg import open_pool  # noqa: PLC0415
     from ledger.policy_store import PolicyStore  # noqa: PLC0415
     from ledger.results import ResultStore  # noqa: PLC0415
-    from processors.app import create_app  # noqa: PLC0415
+    from processors.host import Hosted  # noqa: PLC0415
     from processors.recovery.worker import RecoveryWorker  # noqa: PLC0415
 
     registry = CollectorRegistry()
@@ -71,25 +72,16 @@ def build(settings: Settings, default_providers: str = "") -> tuple[Any, Recover
         providers=load_providers(settings, default_providers),
         metrics=Metrics.create(registry),
     )
-    app = create_app(
-        settings,
-        worker,
-        registry,
-        name="recovery",
-        web_port=settings.recovery_web_port,
-        # Several workers run at once; each is its own member of faust's group.
-        instance_id=f"{socket.gethostname()}-{os.getpid()}",
-    )
-    return app, worker, [history, transport, pool]
+    hosted = Hosted(worker, registry, name="recovery", web_port=settings.recovery_web_port)
+    return hosted, worker, [history, transport, pool]
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger recover run``: recover operations until SIGTERM/SIGINT."""
-    import faust  # noqa: PLC0415
-
     from ledger.secrets import RedactingFilter  # noqa: PLC0415
     from ledger.topics import ensure_topics  # noqa: PLC0415
     from opledger import db  # noqa: PLC0415
+    from processors.host import serve  # noqa: PLC0415
 
     faults.arm(settings.fault_points)
     logging.basicConfig(
@@ -99,14 +91,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         handler.addFilter(RedactingFilter())
     ensure_topics(settings)
     db.migrate(settings.dsn)
-    app, _worker, owned = build(settings, args.default_providers or "")
+    hosted, _worker, owned = build(settings, args.default_providers or "")
     try:
-        worker = faust.Worker(app, loglevel=settings.log_level.lower(), quiet=True)
-        worker.execute_from_commandline()
+        return serve(settings, hosted)
     finally:
         for item in owned:
             item.close()
-    return 0
 
 
 def register(commands: Any) -> None:

@@ -1,4 +1,4 @@
-"""Whether a worker is doing its job, for ``/healthz`` (``processors.app``): a loop that is alive
+"""Whether a worker is doing its job, for ``/healthz`` (``processors.host``): a loop that is alive
 but not progressing (its database or broker away) says so, with the reason and for how long; a
 loop that stopped turning altogether (blocked in a call that never returns) is found by
 :class:`LoopWatchdog`, which no heartbeat of the process itself could see."""

@@ -46,31 +46,34 @@ def kill(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
 
-_FAUST_HOST = """
+_WORKER_HOST = """
 import logging, sys, threading, time
-import faust
 from prometheus_client import CollectorRegistry
+from ledger.secrets import RedactingFilter
 from ledger.settings import Settings
-from processors.app import create_app
 from processors.health import Health
+from processors.host import Hosted, serve
 
 {loop}
 
 settings = Settings.from_env()
-app = create_app(settings, Loop(), CollectorRegistry(), name={name!r}, web_port=int(sys.argv[1]))
-faust.Worker(app, loglevel="info", quiet=True).execute_from_commandline()
-print("the worker returned normally", flush=True)
+logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+for handler in logging.getLogger().handlers:
+    handler.addFilter(RedactingFilter())
+code = serve(settings, Hosted(Loop(), CollectorRegistry(), {name!r}, int(sys.argv[1])))
+print("the worker returned " + ("normally" if code == 0 else f"{{code}}"), flush=True)
+sys.exit(code)
 """
 
 
-def run_faust_host(
+def run_worker_host(
     loop: str, name: str, env: dict[str, str], workdir: Path, port: int, *, timeout: float = 60
 ) -> tuple[int | None, str]:
-    """Run the real faust worker, as ``opledger projector run`` hosts its loop, around ``loop``:
+    """Run the workers' host, as ``opledger projector run`` hosts its loop, around ``loop``:
     the source of a class ``Loop`` with ``health = Health()``, ``run()`` and ``stop()``. Returns
     its exit code (None: still alive after ``timeout`` s, then SIGKILLed) and its output."""
     script = workdir / f"{name}-host.py"
-    script.write_text(_FAUST_HOST.format(loop=textwrap.dedent(loop).strip(), name=name))
+    script.write_text(_WORKER_HOST.format(loop=textwrap.dedent(loop).strip(), name=name))
     log = workdir / f"{name}-host.log"
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -104,13 +104,10 @@ def test_topics_have_configured_partitions_and_retention(stack_settings: Setting
 def test_every_topic_on_the_broker_is_one_of_ours_as_specified(stack_settings: Settings) -> None:
     """Each topic of the stack's prefix is one ``ledger/topics.py`` specifies, with its
     partitions and every config it names (the compacted key store and policy topic, the kept
-    dead letters), or the one internal topic the faust app of a worker declares."""
+    dead letters): the workers' host joins no group and declares no topic of its own."""
     admin = AdminClient({"bootstrap.servers": stack_settings.bootstrap_servers})
     specs = {spec.name: spec for spec in all_topic_specs(stack_settings)}
     prefix = stack_settings.topic_prefix
-    faust_leader = re.compile(
-        rf"{re.escape(prefix)}-(projector|recovery|delivery)-host-__assignor-__leader"
-    )
     ours = {
         name
         for name in admin.list_topics(timeout=10).topics
@@ -120,7 +117,7 @@ def test_every_topic_on_the_broker_is_one_of_ours_as_specified(stack_settings: S
     # A queue destination's topic is its owner's, not the ledger's: the demo creates one under
     # the stack's prefix for its billing queue, as a user would create theirs.
     destinations = {queue_topic(prefix)}
-    others = {name for name in ours - set(specs) - destinations if not faust_leader.fullmatch(name)}
+    others = ours - set(specs) - destinations
     assert others == set()
     metadata = admin.list_topics(timeout=10)
     resources = [ConfigResource(ResourceType.TOPIC, name) for name in specs]

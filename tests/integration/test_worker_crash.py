@@ -1,14 +1,14 @@
-"""``processors/app.py``: a worker whose loop fails crashes (and its supervisor restarts it)
+"""``processors/host.py``: a worker whose loop fails crashes (and its supervisor restarts it)
 rather than idling alive with a dead loop, the failure a heartbeat cannot see. The host is the
-real faust worker, as ``opledger projector run`` starts it, around a loop that fails after a
-second; the process must exit non-zero by itself."""
+workers' own, as ``opledger projector run`` starts it, around a loop that fails after a second;
+the process must exit non-zero by itself."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ledger.settings import Settings
-from tests.process_support import run_faust_host
+from tests.process_support import run_worker_host
 from tests.support import env_for, free_port
 
 LOOP = """
@@ -25,7 +25,7 @@ class Loop:
 
 
 def test_a_worker_whose_loop_fails_exits_by_itself(isolated: Settings, tmp_path: Path) -> None:
-    code, text = run_faust_host(LOOP, "crashtest", env_for(isolated), tmp_path, free_port())
+    code, text = run_worker_host(LOOP, "crashtest", env_for(isolated), tmp_path, free_port())
     assert code is not None, f"alive 60 s after its loop failed:\n{text[-3000:]}"
     assert code != 0, f"exited 0 after its loop failed:\n{text[-3000:]}"
     assert "crashtest loop failed; crashing the worker" in text, text[-3000:]

@@ -1,16 +1,17 @@
-"""A faust-hosted worker's log lines are scrubbed and shown, not run, as the commands' own are.
+"""A hosted worker's log lines are scrubbed and shown, not run, as the commands' own are.
 
 ``opledger recover run``, ``deliver run`` and ``projector run`` put a scrubbing filter on their
-log handlers, but faust's ``mode`` replaces the root handlers as the worker starts; until
-``processors/app.py`` put the filter back, a provider's words reached those workers' logs as
-they were said. The host is the real faust worker around a loop that logs such words once."""
+log handlers, and the workers' host (``processors/host.py``) puts it on any handler added since
+(faust's ``mode``, the previous host, replaced the root handlers as it started, and a provider's
+words reached those workers' logs as they were said). The host runs a loop that logs such words
+once."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ledger.settings import Settings
-from tests.process_support import run_faust_host
+from tests.process_support import run_worker_host
 from tests.support import env_for, free_port
 
 LOOP = """
@@ -28,10 +29,10 @@ class Loop:
 """
 
 
-def test_a_faust_workers_log_is_scrubbed_and_shown_not_run(
+def test_a_hosted_workers_log_is_scrubbed_and_shown_not_run(
     isolated: Settings, tmp_path: Path
 ) -> None:
-    _code, text = run_faust_host(LOOP, "logtest", env_for(isolated), tmp_path, free_port())
+    _code, text = run_worker_host(LOOP, "logtest", env_for(isolated), tmp_path, free_port())
     assert "lookup raised:" in text, text[-3000:]
     assert "abcd1234efgh5678ijkl" not in text, "a secret reached the log"
     assert "\x1b" not in text, "an escape sequence reached the log"

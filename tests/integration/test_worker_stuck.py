@@ -1,8 +1,9 @@
-"""``processors/app.py``: a worker whose loop blocks in a call that never returns (no exception,
+"""``processors/host.py``: a worker whose loop blocks in a call that never returns (no exception,
 no log line: what a client whose own timeout fails looks like) is found by the host's watchdog.
 Past OPLEDGER_WORKER_STUCK_AFTER_S, /healthz answers 503 "stuck" and the log shows where the
 loop is; past OPLEDGER_WORKER_STUCK_EXIT_S the process exits by itself, for its supervisor to
-start a fresh one. The host is the real faust worker, as ``opledger projector run`` starts it."""
+start a fresh one. The host is the workers' own (processors/host.py), as ``opledger projector
+run`` starts it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from ledger.settings import Settings
-from tests.process_support import run_faust_host
+from tests.process_support import run_worker_host
 from tests.support import env_for, free_port
 
 LOOP = """
@@ -63,7 +64,7 @@ def test_a_loop_blocked_forever_is_reported_where_it_is_and_the_worker_exits(
     }
     started = time.monotonic()
     try:
-        code, text = run_faust_host(LOOP, "stucktest", env, tmp_path, port)
+        code, text = run_worker_host(LOOP, "stucktest", env, tmp_path, port)
     finally:
         done.set()
         watcher.join()
