@@ -110,14 +110,10 @@ def _fail(message: str) -> int:
 
 
 def _connect(settings: Settings) -> psycopg.Connection[Any]:
-    import psycopg  # noqa: PLC0415  # handlers only: `opledger stack up` must not import it
+    from ledger import pg  # noqa: PLC0415  # handlers only
 
     # Read-only and autocommit: an analyst's lookup must never hold locks the projector waits on.
-    conn = psycopg.connect(
-        settings.dsn, connect_timeout=5, autocommit=True, application_name="opledger-ops"
-    )
-    conn.read_only = True
-    return conn
+    return pg.connect(settings.dsn, name="opledger-ops", read_only=True)
 
 
 def _run(settings: Settings, query: Any) -> tuple[int, Any]:
