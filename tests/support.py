@@ -59,14 +59,18 @@ def producer(settings: Settings) -> Producer:
 
 
 def produce(
-    settings: Settings, events: Iterable[Transition], flush: bool = True, p: Producer | None = None
+    settings: Settings,
+    events: Iterable[OperationEvent],
+    flush: bool = True,
+    p: Producer | None = None,
 ) -> int:
-    """Append events keyed by operation_id, as the SDK does; returns how many."""
+    """Append events keyed by operation_id, as the SDK does (ownership and decisions on the
+    execution topic, with the transitions they order); returns how many."""
     p = p or producer(settings)
     codec = default_codec()
     n = 0
     for event in events:
-        topic = settings.execution_topic if event.kind == "execution" else settings.delivery_topic
+        topic = settings.delivery_topic if event.kind == "delivery" else settings.execution_topic
         while True:
             try:
                 p.produce(topic, key=event.operation_id.encode(), value=codec.encode(event))
