@@ -44,8 +44,6 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from consumers.contract import Event
 from ledger import migrate
 from ledger.pg import (
-    LOCK_TIMEOUT_MS,
-    SESSION_OPTIONS,
     DatabaseError,
     DatabaseUnavailableError,
     first_line,
@@ -223,27 +221,6 @@ def _refused(fresh: list[Event], outcomes: list[str]) -> list[str]:
     if len(outcomes) != len(fresh) or set(outcomes) - {"applied", "refused"}:
         raise ValueError("a change returns 'applied' or 'refused' per event")
     return [e.operation_id for e, o in zip(fresh, outcomes, strict=True) if o == "refused"]
-
-
-def open_async_pool(
-    dsn: str, *, name: str, max_size: int = 4, lock_timeout_ms: int = LOCK_TIMEOUT_MS
-) -> AsyncConnectionPool[Any]:
-    """An asyncio pool of autocommit connections, not yet open (``await pool.open()``). A
-    statement waits at most ``lock_timeout_ms`` for a lock another session holds: a sender
-    hears 503 and tries again, rather than every request waiting on the lock."""
-    return AsyncConnectionPool(
-        dsn,
-        min_size=1,
-        max_size=max_size,
-        kwargs={
-            "autocommit": True,
-            "connect_timeout": 5,
-            "application_name": name,
-            "options": f"{SESSION_OPTIONS} -c lock_timeout={int(lock_timeout_ms)}",
-        },
-        open=False,
-        name=name,
-    )
 
 
 class Inbox:

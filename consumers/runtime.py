@@ -22,12 +22,12 @@ from consumers.inbox import (
     Inbox,
     StatementChange,
     apply_migrations,
-    open_async_pool,
 )
 from consumers.keystore import KeyStorePublisher, KeyView, RestoreReport, restore
 from consumers.metrics import ConsumerMetrics
+from ledger import pg
 from ledger.domain.redact import redact
-from ledger.pg import open_pool
+from ledger.pg import open_async_pool, open_pool
 from ledger.settings import Settings
 
 log = logging.getLogger("opledger.consumer")
@@ -40,7 +40,10 @@ class ConsumerSetupError(RuntimeError):
 def migrate_database(dsn: str) -> list[int]:
     """Apply the consumer's migrations to ``dsn``; a missing database is explained, not created."""
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        # Unbounded lock waits: consumers starting together queue on the migrations' lock.
+        with pg.connect(
+            dsn, name="opledger-consumer-migrate", connect_timeout=10, lock_timeout_ms=None
+        ) as conn:
             return apply_migrations(conn)
     except psycopg.OperationalError as exc:
         where = redact(dsn)

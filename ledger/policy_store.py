@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from ledger import pg
 from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import (
     CredentialRevocation,
@@ -425,17 +426,14 @@ class PolicyFreshness:
             ends[p] = int(high)
         # Read after the ends were sampled: offsets folded by then cover every change before.
         if self._conn is None:
-            self._conn = psycopg.connect(
+            self._conn = pg.connect(
                 self._settings.dsn,
-                autocommit=True,
+                name="opledger-policy-freshness",
                 connect_timeout=int(_PROBE_TIMEOUT_S),
-                application_name="opledger-policy-freshness",
                 # A look that cannot finish is "cannot tell" (stale), never a caller held for as
                 # long as another session locks the offsets table.
-                options=(
-                    f"-c lock_timeout={int(_PROBE_TIMEOUT_S * 500)} "
-                    f"-c statement_timeout={int(_PROBE_TIMEOUT_S * 1000)}"
-                ),
+                lock_timeout_ms=int(_PROBE_TIMEOUT_S * 500),
+                statement_timeout_ms=int(_PROBE_TIMEOUT_S * 1000),
             )
         try:
             rows = self._conn.execute(

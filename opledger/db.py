@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 
 from ledger import migrate as migrations
+from ledger import pg
 from ledger.domain.redact import redact
 from ledger.leases import COMPONENT as LEDGER_COMPONENT
 from ledger.leases import MIGRATIONS as LEDGER_MIGRATIONS
@@ -26,7 +27,8 @@ def migrate(dsn: str) -> dict[str, list[int]]:
     """Apply every component's pending migrations to ``dsn``; returns what was applied now."""
     from projections.schema import apply_migrations  # noqa: PLC0415  # keeps `stack` import light
 
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+    # Unbounded lock waits: starters migrating at once queue on the migrations' lock.
+    with pg.connect(dsn, name="opledger-migrate", connect_timeout=10, lock_timeout_ms=None) as conn:
         return {
             LEDGER_COMPONENT: migrations.apply(conn, LEDGER_COMPONENT, LEDGER_MIGRATIONS),
             "projections": apply_migrations(conn),

@@ -346,12 +346,11 @@ SELECT count(*) FROM deliveries
 
 def _dead_since(dsn: str, params: dict[str, Any], batch: int) -> Iterator[list[tuple[str, str]]]:
     """The period's dead letters, ``batch`` at a time, oldest first."""
-    import psycopg  # noqa: PLC0415
-
-    from ledger.pg import SESSION_OPTIONS  # noqa: PLC0415
+    from ledger import pg  # noqa: PLC0415
 
     after: tuple[datetime, str, str] = (datetime.min.replace(tzinfo=UTC), "", "")
-    with psycopg.connect(dsn, options=SESSION_OPTIONS) as conn:
+    # Autocommit: each batch is read on its own, holding nothing while the batch is redriven.
+    with pg.connect(dsn, name="opledger-redrive", read_only=True) as conn:
         while True:
             rows = conn.execute(
                 _DEAD_SINCE_SQL,
@@ -372,16 +371,16 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
     One operation: exit 1 unless it was redriven (no such delivery for the tenant, or not
     dead-lettered), saying why. A period: every dead letter of the tenant from ``T`` up to the
     moment the command started, in batches, with progress on stderr."""
-    import psycopg  # noqa: PLC0415
     from pydantic import ValidationError  # noqa: PLC0415
 
+    from ledger import pg  # noqa: PLC0415
     from ledger.domain.delivery import redrive as redrive_event  # noqa: PLC0415
     from ledger.domain.events import DeliveryTransitioned  # noqa: PLC0415
     from ledger.domain.states import DeliveryState  # noqa: PLC0415
     from ledger.errors import RecordError  # noqa: PLC0415
     from ledger.history import HistoryReader  # noqa: PLC0415
     from ledger.log import LogWriter  # noqa: PLC0415
-    from ledger.pg import SESSION_OPTIONS, open_pool  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
 
     if (args.operation_id is None) == (args.since is None):
         print("name one operation (OP --destination D) or a period (--since T)", file=sys.stderr)
@@ -418,7 +417,7 @@ def redrive(args: argparse.Namespace, settings: Settings) -> int:
             "until": started,
             "destination": args.destination,
         }
-        with psycopg.connect(settings.dsn, options=SESSION_OPTIONS) as conn:
+        with pg.connect(settings.dsn, name="opledger-redrive", read_only=True) as conn:
             row = conn.execute(_DEAD_SINCE_COUNT_SQL, params).fetchone()
         total = int(row[0]) if row else 0
         print(

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     import psycopg
     from rich.console import Console
 
-    from projections.queries import DeliveryRow, HistoryRow, OperationDetail, OperationRow
+    from projections.queries import (
+        DeliveryRow,
+        HistoryRow,
+        OperationDetail,
+        OperationRow,
+        ReconciliationRow,
+    )
 
 #: Exit code for errors whose message says how to fix them (same as ``opledger.cli``).
 EXIT_USAGE = 2
@@ -87,7 +93,8 @@ def register(commands: Any) -> None:
     )
     list_parser.set_defaults(handler="opledger.ops:list_command")
     show_parser = actions.add_parser(
-        "show", help="one operation: execution, deliveries, full history and anomalies"
+        "show",
+        help="one operation: execution, deliveries, reconciliations, full history and anomalies",
     )
     show_parser.add_argument("operation_id", metavar="OP_ID")
     show_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
@@ -110,14 +117,10 @@ def _fail(message: str) -> int:
 
 
 def _connect(settings: Settings) -> psycopg.Connection[Any]:
-    import psycopg  # noqa: PLC0415  # handlers only: `opledger stack up` must not import it
+    from ledger import pg  # noqa: PLC0415  # handlers only
 
     # Read-only and autocommit: an analyst's lookup must never hold locks the projector waits on.
-    conn = psycopg.connect(
-        settings.dsn, connect_timeout=5, autocommit=True, application_name="opledger-ops"
-    )
-    conn.read_only = True
-    return conn
+    return pg.connect(settings.dsn, name="opledger-ops", read_only=True)
 
 
 def _run(settings: Settings, query: Any) -> tuple[int, Any]:
@@ -350,6 +353,10 @@ def _print_detail(console: Console, detail: OperationDetail) -> None:
         console.print(_deliveries_table(detail.deliveries))
     else:
         console.print("deliveries: none (only a SUCCEEDED execution is delivered)")
+    if detail.reconciliations:
+        console.print(_reconciliations_table(detail.reconciliations))
+    else:
+        console.print("reconciliations: none")
     console.print(_history_table(detail.history))
     if detail.anomalies:
         table = Table(title="anomalies (never applied)", title_justify="left")
@@ -377,6 +384,68 @@ def _deliveries_table(rows: list[DeliveryRow]) -> Any:
             str(d.attempts),
             _when(d.next_attempt_at),
             shown(d.error or ""),
+        )
+    return table
+
+
+_DECISION_STYLE = {
+    "MARK_SUCCEEDED": "green",
+    "MARK_FAILED": "red",
+    "REFUSE": "red",
+    "CANCEL": "red",
+    "PARK": "bold yellow",
+    "RETRY_LOOKUP": "yellow",
+    "NEW_ATTEMPT": "cyan",
+    "RESUME": "cyan",
+}
+
+
+def _policy_cited(r: ReconciliationRow) -> str:
+    """The policy record a decision cites, one line each: its version; what it did and who did
+    it (a revocation names who revoked); the reason they gave."""
+    from opledger.terminal import shown  # noqa: PLC0415
+
+    if r.policy_version is None:
+        return "no grant matched"
+    lines = [shown(r.policy_version)]
+    if r.policy_change is not None:
+        lines.append(shown(f"{r.policy_change} by {r.policy_changed_by}"))
+    if r.policy_reason:
+        lines.append(shown(r.policy_reason))
+    return "\n".join(lines)
+
+
+def _reconciliations_table(rows: list[ReconciliationRow]) -> Any:
+    from rich.table import Table  # noqa: PLC0415
+
+    from opledger.terminal import shown  # noqa: PLC0415
+
+    table = Table(title=f"reconciliations ({len(rows)})", title_justify="left")
+    for column in (
+        "decided at",
+        "by",
+        "attempt",
+        "lookup",
+        "policy",
+        "policy version",
+        "decision",
+        "provider_ref",
+        "reason",
+    ):
+        table.add_column(column, no_wrap=column not in ("policy version", "reason"))
+    for r in rows:
+        style = _DECISION_STYLE.get(r.decision)
+        decision = shown(r.decision)
+        table.add_row(
+            _when(r.occurred_at),
+            shown(r.actor_id),
+            str(r.attempt),
+            shown(r.lookup),
+            "[green]allowed[/]" if r.policy_allowed else "[red]refused[/]",
+            _policy_cited(r),
+            f"[{style}]{decision}[/]" if style else decision,
+            shown(r.provider_ref or "-"),
+            shown(r.reason),
         )
     return table
 

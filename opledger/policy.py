@@ -214,6 +214,7 @@ def show_command(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger policy show``."""
     import psycopg  # noqa: PLC0415  # handlers only
 
+    from ledger import pg  # noqa: PLC0415
     from ledger.domain.redact import redact  # noqa: PLC0415
     from ledger.policy_store import read_current  # noqa: PLC0415
 
@@ -226,11 +227,8 @@ def show_command(args: argparse.Namespace, settings: Settings) -> int:
     except InputError as exc:
         return _usage(str(exc))
     try:
-        with psycopg.connect(
-            settings.dsn, connect_timeout=5, autocommit=True, application_name="opledger-policy"
-        ) as conn:
-            # Read-only: a lookup must never hold locks the projector waits on.
-            conn.read_only = True
+        # Read-only: a lookup must never hold locks the projector waits on.
+        with pg.connect(settings.dsn, name="opledger-policy", read_only=True) as conn:
             policy = read_current(conn, args.tenant, actor_id=args.actor, tool_name=args.tool)
     except psycopg.OperationalError as exc:
         return _failed(
@@ -482,6 +480,7 @@ def _wait_folded(settings: Settings, change: PolicyChanged, wait_s: float) -> in
     """Poll the projection until ``change`` is folded, bounded by ``wait_s``."""
     import psycopg  # noqa: PLC0415
 
+    from ledger import pg  # noqa: PLC0415
     from ledger.domain.redact import redact  # noqa: PLC0415
     from ledger.policy_store import FoldState, read_fold_state  # noqa: PLC0415
 
@@ -495,12 +494,7 @@ def _wait_folded(settings: Settings, change: PolicyChanged, wait_s: float) -> in
             state: FoldState | None = None
             try:
                 if conn is None:
-                    conn = psycopg.connect(
-                        settings.dsn,
-                        connect_timeout=5,
-                        autocommit=True,
-                        application_name="opledger-policy",
-                    )
+                    conn = pg.connect(settings.dsn, name="opledger-policy", read_only=True)
                 state = read_fold_state(conn, change)
             except psycopg.OperationalError as exc:
                 problem = f"cannot read PostgreSQL at {redact(settings.dsn)}: {_first_line(exc)}"

@@ -35,6 +35,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger import pg
 from ledger.display import displayable
 from ledger.log import new_admin, new_producer
 from ledger.secrets import scrub
@@ -763,6 +764,10 @@ def _clear_stale_postmaster_pid(settings: Settings, echo: Echo) -> None:
     echo(f"postgres: removed a stale {path.name} naming pid {pid}, now another process")
 
 
+#: How the launcher's own sessions are named in pg_stat_activity.
+_PG_SESSION = "opledger-stack"
+
+
 def _admin_dsn(settings: Settings) -> str:
     return f"postgresql://{PG_USER}@127.0.0.1:{settings.pg_port}/postgres"
 
@@ -770,7 +775,7 @@ def _admin_dsn(settings: Settings) -> str:
 def postgres_version(settings: Settings) -> str | None:
     """Server version when our PostgreSQL accepts connections, else None."""
     try:
-        with psycopg.connect(_admin_dsn(settings), connect_timeout=3) as conn:
+        with pg.connect(_admin_dsn(settings), name=_PG_SESSION, connect_timeout=3) as conn:
             row = conn.execute("SHOW server_version").fetchone()
     except psycopg.Error:
         return None
@@ -824,13 +829,13 @@ def _ensure_database(settings: Settings) -> None:
                 f"lines:\n{_tail(log_files(settings)['postgres'])}"
             )
         time.sleep(0.3)
-    with psycopg.connect(_admin_dsn(settings), autocommit=True) as conn:
+    with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn:
         exists = conn.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", (PG_DATABASE,)
         ).fetchone()
         if not exists:
             conn.execute(f'CREATE DATABASE "{PG_DATABASE}" OWNER "{PG_USER}"')
-    with psycopg.connect(settings.dsn, connect_timeout=5):
+    with pg.connect(settings.dsn, name=_PG_SESSION):
         pass
     _ensure_consumer_database(settings)
 
@@ -843,7 +848,7 @@ def _ensure_consumer_database(settings: Settings) -> None:
     name = conninfo_to_dict(settings.consumer_dsn).get("dbname")
     if not name:
         return
-    with psycopg.connect(_admin_dsn(settings), autocommit=True) as conn:
+    with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn:
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             conn.execute(
                 sql.SQL("CREATE DATABASE {} OWNER {}").format(

@@ -7,11 +7,13 @@ from collections.abc import Mapping
 
 import psycopg
 
+from ledger import pg
+
 
 def stored_offsets(dsn: str, consumer: str) -> dict[tuple[str, int], int]:
     """Next offset to project per (topic, partition); empty before the first batch."""
     try:
-        with psycopg.connect(dsn, connect_timeout=5) as conn:
+        with pg.connect(dsn, name="opledger-progress", read_only=True) as conn:
             rows = conn.execute(
                 "SELECT topic, partition, next_offset FROM projector_offsets WHERE consumer = %s",
                 (consumer,),

@@ -79,6 +79,26 @@ SELECT occurred_at, topic, partition, "offset", event_id, actor_id, machine, des
  ORDER BY occurred_at, topic, partition, "offset"
 """
 
+#: Its reconciliation decisions, in the order they were taken: what the provider lookup said,
+#: the policy version that decided (with the grant or revocation it names and who made it) and
+#: whether policy allowed going on. The policy record is looked up within the same tenant only.
+SHOW_RECONCILIATIONS_SQL = """
+SELECT r.occurred_at, r.topic, r.partition, r."offset", r.event_id, r.actor_id, r.attempt,
+       r.decision, r.lookup, r.provider_ref, r.result_ref, r.policy_version, r.policy_allowed,
+       r.lease_token, r.reason,
+       p.change AS policy_change, p.actor_id AS policy_changed_by, p.reason AS policy_reason
+  FROM reconciliations r
+  LEFT JOIN LATERAL (
+        SELECT h.change, h.actor_id, h.reason
+          FROM policy_history h
+         WHERE h.tenant_id = r.tenant_id AND h.event_id = r.policy_version
+         ORDER BY h.topic, h.partition, h."offset"
+         LIMIT 1
+       ) p ON TRUE
+ WHERE r.tenant_id = %(tenant_id)s AND r.operation_id = %(operation_id)s
+ ORDER BY r.occurred_at, r.topic, r.partition, r."offset"
+"""
+
 #: Refused events aimed at it, with the fold's reason: scoped by the operation's owner, so the
 #: owner also sees what another tenant tried on its operation (the reason never names that
 #: tenant; ``anomalies.source_tenant_id`` keeps it for operators).
@@ -203,6 +223,34 @@ class HistoryRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ReconciliationRow:
+    """A reconciliation decision about one operation (``reconciliations``), with the policy
+    record it cites (``policy_history``; None when no grant matched or it is not projected)."""
+
+    occurred_at: datetime
+    topic: str
+    partition: int
+    offset: int
+    event_id: str
+    #: who decided: the recovery worker's identity, or the person who cancelled
+    actor_id: str
+    attempt: int
+    decision: str
+    lookup: str
+    provider_ref: str | None
+    result_ref: str | None
+    policy_version: str | None
+    policy_allowed: bool
+    lease_token: int | None
+    reason: str
+    #: GRANT, REVOKE or REVOKE_CREDENTIAL: what the cited policy record did
+    policy_change: str | None
+    #: who granted or revoked it
+    policy_changed_by: str | None
+    policy_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class AnomalyRow:
     """An illegal transition, never applied (``anomalies``)."""
 
@@ -221,6 +269,7 @@ class OperationDetail:
 
     operation: OperationRow | None
     deliveries: list[DeliveryRow]
+    reconciliations: list[ReconciliationRow]
     history: list[HistoryRow]
     anomalies: list[AnomalyRow]
 
@@ -326,13 +375,17 @@ def show_operation(
     with conn.cursor(row_factory=dict_row) as cur:
         op_row = cur.execute(SHOW_OPERATION_SQL, params).fetchone()
         deliveries = [_delivery(r) for r in cur.execute(SHOW_DELIVERIES_SQL, params).fetchall()]
+        decisions = [
+            ReconciliationRow(**r) for r in cur.execute(SHOW_RECONCILIATIONS_SQL, params).fetchall()
+        ]
         history = [HistoryRow(**r) for r in cur.execute(SHOW_HISTORY_SQL, params).fetchall()]
         anomalies = [AnomalyRow(**r) for r in cur.execute(SHOW_ANOMALIES_SQL, params).fetchall()]
-    if op_row is None and not deliveries and not history and not anomalies:
+    if op_row is None and not deliveries and not decisions and not history and not anomalies:
         return None
     return OperationDetail(
         operation=None if op_row is None else _operation(op_row),
         deliveries=deliveries,
+        reconciliations=decisions,
         history=history,
         anomalies=anomalies,
     )

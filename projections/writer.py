@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import psycopg
 from psycopg.types.json import Jsonb
 
+from ledger import pg
 from ledger.domain.events import (
     DeliveryTransitioned,
     ExecutionTransitioned,
@@ -41,7 +42,7 @@ from ledger.domain.fold import (
     apply_execution,
 )
 from ledger.domain.policy import PolicyChange
-from ledger.pg import LOCK_TIMEOUT_MS, SESSION_OPTIONS
+from ledger.pg import LOCK_TIMEOUT_MS
 from ledger.records import (
     DeadLetter,
     OpenAges,
@@ -338,6 +339,13 @@ class _Folded:
         )
 
 
+def _open_session(dsn: str) -> psycopg.Connection[Any]:
+    """The projector's session. Its lock waits are unbounded at first: the migrations that
+    follow a start queue on their lock behind a concurrent starter's (the bound is set once
+    they are done, :meth:`PostgresProjection._bound_lock_waits`)."""
+    return pg.connect(dsn, name="opledger-projector", lock_timeout_ms=None)
+
+
 class PostgresProjection:
     """The :class:`ledger.records.ProjectionSink` over PostgreSQL."""
 
@@ -360,13 +368,7 @@ class PostgresProjection:
     @classmethod
     def connect(cls, dsn: str, *, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> PostgresProjection:
         try:
-            conn = psycopg.connect(
-                dsn,
-                autocommit=True,
-                application_name="opledger-projector",
-                options=SESSION_OPTIONS,
-                connect_timeout=5,
-            )
+            conn = _open_session(dsn)
         except psycopg.OperationalError as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
         projection = cls(conn, dsn, lock_timeout_ms=lock_timeout_ms)
@@ -435,13 +437,7 @@ class PostgresProjection:
     def reconnect(self) -> None:
         """Replace the connection (after PostgreSQL went away); raises SinkUnavailableError."""
         try:
-            conn = psycopg.connect(
-                self._dsn,
-                autocommit=True,
-                application_name="opledger-projector",
-                options=SESSION_OPTIONS,
-                connect_timeout=5,
-            )
+            conn = _open_session(self._dsn)
         except psycopg.Error as exc:
             raise SinkUnavailableError(f"PostgreSQL unreachable: {_first_line(exc)}") from exc
         self._bound_lock_waits(conn)

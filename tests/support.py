@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,20 +21,9 @@ from ledger.codec import DecodeError, default_codec
 from ledger.domain.events import (
     ExecutionTransitioned,
     OperationEvent,
-    OwnershipTaken,
     PolicyChange,
     PolicyChanged,
-    ReconciliationDecided,
     Transition,
-)
-from ledger.domain.fold import (
-    Applied,
-    DeliveryRecord,
-    Duplicate,
-    ExecutionRecord,
-    apply_control,
-    apply_delivery,
-    apply_execution,
 )
 from ledger.domain.ids import ULID_PATTERN, event_id
 from ledger.kafka import partition_for
@@ -44,6 +33,13 @@ from ledger.settings import Settings
 from processors.batch_reader import BatchProjector
 from projections import progress
 from projections.writer import PostgresProjection
+from tests.independent_fold import (
+    Delivery,
+    IndependentFold,
+    Operation,
+    delivery_row,
+    operation_row,
+)
 
 
 def producer(settings: Settings) -> Producer:
@@ -59,14 +55,18 @@ def producer(settings: Settings) -> Producer:
 
 
 def produce(
-    settings: Settings, events: Iterable[Transition], flush: bool = True, p: Producer | None = None
+    settings: Settings,
+    events: Iterable[OperationEvent],
+    flush: bool = True,
+    p: Producer | None = None,
 ) -> int:
-    """Append events keyed by operation_id, as the SDK does; returns how many."""
+    """Append events keyed by operation_id, as the SDK does (ownership and decisions on the
+    execution topic, with the transitions they order); returns how many."""
     p = p or producer(settings)
     codec = default_codec()
     n = 0
     for event in events:
-        topic = settings.execution_topic if event.kind == "execution" else settings.delivery_topic
+        topic = settings.delivery_topic if event.kind == "delivery" else settings.execution_topic
         while True:
             try:
                 p.produce(topic, key=event.operation_id.encode(), value=codec.encode(event))
@@ -135,10 +135,10 @@ def project_in_process(settings: Settings, timeout: float = 120.0) -> BatchProje
 
 @dataclass
 class Expected:
-    """The independent fold of everything on the topics."""
+    """The independent fold of everything on the topics (``tests/independent_fold.py``)."""
 
-    operations: dict[str, ExecutionRecord] = field(default_factory=dict)
-    deliveries: dict[tuple[str, str], DeliveryRecord] = field(default_factory=dict)
+    operations: dict[str, Operation] = field(default_factory=dict)
+    deliveries: dict[tuple[str, str], Delivery] = field(default_factory=dict)
     outcomes: dict[tuple[str, int, int], str] = field(default_factory=dict)
     #: operation id -> partition of its first execution event (agent_operations.kafka_partition)
     partitions: dict[str, int] = field(default_factory=dict)
@@ -203,12 +203,14 @@ def independent_fold(
     settings: Settings,
     refused: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset(),
 ) -> Expected:
-    """Fold every record of both topics in (topic, partition, offset) order, executions first.
+    """Fold every record of both topics in (topic, partition, offset) order, executions first,
+    with the tests' own fold (``tests/independent_fold.py``), not the projector's.
 
     ``refused`` names records to treat as dead letters although they decode: those the test
     made the database refuse (the projector must isolate exactly those).
     """
-    expected = Expected()
+    fold = IndependentFold()
+    expected = Expected(operations=fold.operations, deliveries=fold.deliveries)
     for topic in (settings.execution_topic, settings.delivery_topic):
         for partition, offset, key, value in read_all(settings, topic):
             if (topic, partition, offset) in refused:
@@ -218,85 +220,10 @@ def independent_fold(
             if event is None:
                 expected.dead.add((topic, partition, offset))
                 continue
-            outcome: Any
             if isinstance(event, ExecutionTransitioned):
-                outcome = apply_execution(expected.operations.get(event.operation_id), event)
-                if isinstance(outcome, Applied):
-                    expected.operations[event.operation_id] = outcome.record
                 expected.partitions.setdefault(event.operation_id, partition)
-            elif isinstance(event, OwnershipTaken | ReconciliationDecided):
-                outcome = apply_control(expected.operations.get(event.operation_id), event)
-                if isinstance(outcome, Applied):
-                    expected.operations[event.operation_id] = outcome.record
-            else:
-                k = (event.operation_id, event.destination)
-                outcome = apply_delivery(
-                    expected.deliveries.get(k), event, expected.operations.get(event.operation_id)
-                )
-                if isinstance(outcome, Applied):
-                    expected.deliveries[k] = outcome.record
-            expected.outcomes[(topic, partition, offset)] = (
-                "applied"
-                if isinstance(outcome, Applied)
-                else "duplicate"
-                if isinstance(outcome, Duplicate)
-                else "anomaly"
-            )
+            expected.outcomes[(topic, partition, offset)] = fold.fold(event)
     return expected
-
-
-def _seen(seen: Mapping[tuple[Any, int], str]) -> list[str]:
-    return sorted(f"{s}:{a}:{e}" for (s, a), e in seen.items())
-
-
-def expected_operation_row(r: ExecutionRecord) -> tuple[Any, ...]:
-    return (
-        r.operation_id,
-        r.tenant_id,
-        r.actor_id,
-        r.tool_name,
-        r.request_hash,
-        str(r.state),
-        r.attempt,
-        r.provider_ref,
-        r.result_ref,
-        r.error,
-        r.created_at,
-        r.updated_at,
-        r.state_entered_at,
-        r.version,
-        _seen(r.seen),
-        r.lease_token,
-        None if r.permit is None else r.permit[0],
-        None if r.permit is None else r.permit[1],
-        r.parked,
-        r.cancelled,
-        None if r.decision is None else str(r.decision),
-        r.decided_at,
-        sorted(r.controls),
-    )
-
-
-def expected_delivery_row(r: DeliveryRecord) -> tuple[Any, ...]:
-    return (
-        r.operation_id,
-        r.destination,
-        r.tenant_id,
-        r.actor_id,
-        str(r.state),
-        r.attempts,
-        r.result_ref,
-        r.next_attempt_at,
-        r.error,
-        r.created_at,
-        r.updated_at,
-        r.state_entered_at,
-        r.version,
-        _seen(r.seen),
-        r.redrives,
-        sorted(r.retired),
-        r.round_started_at,
-    )
 
 
 def assert_projection_matches(settings: Settings, expected: Expected) -> dict[str, int]:
@@ -319,7 +246,7 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
         dead = conn.execute('SELECT topic, partition, "offset" FROM dead_letters').fetchall()
         anomalies = conn.execute('SELECT topic, partition, "offset" FROM anomalies').fetchall()
     actual_ops = {row[0]: tuple(row) for row in ops}
-    want_ops = {k: expected_operation_row(v) for k, v in expected.operations.items()}
+    want_ops = {k: operation_row(v) for k, v in expected.operations.items()}
     assert actual_ops.keys() == want_ops.keys(), "operation ids differ"
     for key, want in want_ops.items():
         assert actual_ops[key] == want, f"agent_operations row {key} differs"
@@ -329,7 +256,7 @@ def assert_projection_matches(settings: Settings, expected: Expected) -> dict[st
         )
     assert placed == {op: expected.partitions[op] for op in want_ops}, "kafka_partition differs"
     actual_del = {(row[0], row[1]): tuple(row) for row in deliveries}
-    want_del = {k: expected_delivery_row(v) for k, v in expected.deliveries.items()}
+    want_del = {k: delivery_row(v) for k, v in expected.deliveries.items()}
     assert actual_del.keys() == want_del.keys(), "delivery keys differ"
     for key, want in want_del.items():
         assert actual_del[key] == want, f"deliveries row {key} differs"

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from ledger import pg
 from ledger.settings import Settings
 from opledger.demo.plan import QUEUE, TENANTS, WEBHOOK, Call, routed
 from opledger.fakes.model import KeyStats
@@ -342,10 +343,7 @@ def read(
         "ops": list(announced),
         "inline_max": settings.delivery_inline_max_bytes,
     }
-    with psycopg.connect(
-        settings.dsn, autocommit=True, connect_timeout=5, application_name="opledger-demo"
-    ) as conn:
-        conn.read_only = True
+    with pg.connect(settings.dsn, name="opledger-demo", read_only=True) as conn:
         ops = {r[0]: OpRow(*r) for r in conn.execute(_OPS_SQL, params).fetchall()}
         deliveries = [DeliveryRow(*r) for r in conn.execute(_DELIVERIES_SQL, params).fetchall()]
         decisions = [Decided(*r) for r in conn.execute(_DECISIONS_SQL, params).fetchall()]
@@ -374,12 +372,7 @@ def read(
 def read_applied(settings: Settings, ops: list[str]) -> dict[tuple[str, str], tuple[int, int]]:
     """(consumer, operation id) -> (changes applied, the largest result applied)."""
     try:
-        with psycopg.connect(
-            settings.consumer_dsn,
-            autocommit=True,
-            connect_timeout=5,
-            application_name="opledger-demo",
-        ) as conn:
+        with pg.connect(settings.consumer_dsn, name="opledger-demo", read_only=True) as conn:
             rows = conn.execute(_APPLIED_SQL, {"ops": ops}).fetchall()
     except psycopg.errors.UndefinedTable:
         return {}  # no consumer has started yet: nothing applied

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-import psycopg
-
 from ledger.settings import Settings
 from opledger.demo.plan import (
     DESTINATION_TIMEOUT_MS,
@@ -172,6 +170,7 @@ def revocation(subject: tuple[str, str, str], now: datetime) -> PolicyChanged:
 def write_policy(settings: Settings, changes: Sequence[PolicyChanged]) -> float:
     """Append ``changes`` (acks=all) and wait until the projector has folded every one;
     returns the seconds waited."""
+    from ledger import pg  # noqa: PLC0415
     from ledger.errors import RecordError  # noqa: PLC0415
     from ledger.log import LogWriter  # noqa: PLC0415
     from ledger.policy_store import read_fold_state  # noqa: PLC0415
@@ -185,7 +184,7 @@ def write_policy(settings: Settings, changes: Sequence[PolicyChanged]) -> float:
         writer.close()
     started = time.monotonic()
     waiting = list(changes)
-    with psycopg.connect(settings.dsn, autocommit=True, application_name="opledger-demo") as conn:
+    with pg.connect(settings.dsn, name="opledger-demo", read_only=True) as conn:
         while waiting:
             waiting = [c for c in waiting if not read_fold_state(conn, c).folded]
             if not waiting:

@@ -13,12 +13,12 @@ import psycopg
 import pytest
 
 from ledger.domain.events import ExecutionTransitioned, Transition
-from ledger.domain.fold import ExecutionRecord
 from ledger.domain.ids import content_ref, event_id
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.settings import Settings
 from opledger.workload import Workload
 from projections import queries
+from tests.independent_fold import Operation
 from tests.support import Expected, env_for, independent_fold, produce, project_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def projected(module_isolated: Settings) -> tuple[Settings, list[Transition], Ex
     return module_isolated, events, independent_fold(module_isolated), target.operation_id
 
 
-def _tenant_ops(expected: Expected, tenant: str) -> list[ExecutionRecord]:
+def _tenant_ops(expected: Expected, tenant: str) -> list[Operation]:
     ops = [r for r in expected.operations.values() if r.tenant_id == tenant]
     return sorted(ops, key=lambda r: (r.state_entered_at, r.operation_id))
 
@@ -78,7 +78,7 @@ def _as_tuple(row: queries.OperationRow) -> tuple[object, ...]:
     )
 
 
-def _record_tuple(r: ExecutionRecord) -> tuple[object, ...]:
+def _record_tuple(r: Operation) -> tuple[object, ...]:
     return (
         r.operation_id,
         r.tenant_id,
