@@ -972,7 +972,7 @@ class DeliveryWorker:
         record = item.record
         if verdict.outcome is Outcome.ACKED:
             return self._event(record, D.ACKED, record.attempts, now)
-        if verdict.outcome in (Outcome.RETRY, Outcome.THROTTLED):
+        if verdict.outcome in (Outcome.RETRY, Outcome.THROTTLED, Outcome.NOT_SENT):
             return self._event(
                 record,
                 D.PENDING,
