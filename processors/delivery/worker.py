@@ -12,16 +12,20 @@ one delivery (the seed's row "after result write, before delivery enqueue").
 outbox just opened, and from the projection (checked against the log's tail) the PENDINGs that
 are due and the SENTs whose outcome nobody recorded (a worker died after sending: row "after
 delivery send, before ACK write"). Each send is recorded SENT *before* it leaves, with the same
-``Idempotency-Key`` and body every time, so a receiver recognises a repeat. Before a send the
-worker checks policy (DELIVER, as it is now), the destination (known, enabled) and the stored
-result; a refusal dead-letters the delivery with the reason, except a destination an operator
-disabled: its deliveries wait, as they are, until it is enabled (decision 021). The destination
-and the policy are read once more after the SENTs are acknowledged, just before the sends leave,
-so a disable, a revocation or a new target committed meanwhile is obeyed. After it, ``judge``
-says ACKED, PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination
-(its later deliveries are dead-lettered: it said it is gone). A webhook
-whose address is in a refused network (loopback, private, link-local, ...: decision 019) is
-never connected to: its delivery is dead-lettered with the rule, and the others go on.
+``Idempotency-Key`` and body every time, so a receiver recognises a repeat, and only once one of
+the webhook sender's connections is there for it: a pass takes no more webhook sends than the
+sender has connections, and the others wait as they are, nothing recorded and no attempt spent,
+for the next pass (decision 026). Before a send the worker checks policy (DELIVER, as it is
+now), the destination (known, enabled) and the stored result; a refusal dead-letters the
+delivery with the reason, except a destination an operator disabled: its deliveries wait, as
+they are, until it is enabled (decision 021). The destination and the policy are read once more
+after the SENTs are acknowledged, just before the sends leave, so a disable, a revocation or a
+new target committed meanwhile is obeyed. After it, ``judge`` says ACKED, PENDING again with a
+backoff, or DEAD_LETTERED (a send that never left for want of a connection after all: PENDING
+again at once, its verdict not an attempt's); a 410 also disables the destination (its later
+deliveries are dead-lettered: it said it is gone). A webhook whose address is in a refused
+network (loopback, private, link-local, ...: decision 019) is never connected to: its delivery
+is dead-lettered with the rule, and the others go on.
 
 The worker loads results by reference and never calls a tool.
 """
@@ -55,6 +59,7 @@ from ledger.domain.delivery import (
     Verdict,
     judge,
     outbox_pendings,
+    take_connections,
 )
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, storable_text
 from ledger.domain.fold import Applied, DeliveryRecord, ExecutionRecord, apply_delivery
@@ -548,7 +553,16 @@ class DeliveryWorker:
         items = list(unique.values())
         if not items:
             return 0
-        self._attach(items)
+        self._attach_destinations(items)
+        # A connection is taken before the SENT is recorded (decision 026). The previous pass's
+        # sends are all answered (_finish), so every connection of the sender is free for these.
+        items, waiting = take_connections(
+            items, self._webhooks.connections, lambda item: self._needs_connection(item, now)
+        )
+        self._wait_for_connection(waiting)
+        if not items:
+            return 0
+        self._attach_results(items)
         stale = self._policy_freshness.stale_reason()
         if stale is not None:
             # Nothing is sent or dead-lettered on a view that may lack a revocation: every
@@ -761,7 +775,7 @@ class DeliveryWorker:
                     "grace": FRESH_GRACE,
                     "paused_tenants": [p[0] for p in paused],
                     "paused_names": [p[1] for p in paused],
-                    "limit": limit,
+                    "limit": limit - len(items),
                 },
             ).fetchall()
 
@@ -773,7 +787,9 @@ class DeliveryWorker:
             if known is not None and known[0].version == version:
                 items.append(_Item(known[0], known[1], []))
         taken = {(i.record.operation_id, i.record.destination) for i in items}
-        rows = retrying(self._pool, "find due deliveries", work)
+        # The timers may fill the batch (deliveries that waited for a connection): the
+        # projection's oldest due rows would be those same deliveries, so it is not asked.
+        rows = retrying(self._pool, "find due deliveries", work) if len(items) < limit else []
         unknown: dict[str, str] = {}
         wanted: dict[str, set[str]] = {}
         for op_id, tenant, destination, version in rows:
@@ -808,20 +824,46 @@ class DeliveryWorker:
             now - record.state_entered_at >= timedelta(milliseconds=100) + SENT_MARGIN
         )
 
-    def _attach(self, items: list[_Item]) -> None:
-        """Each item's destination and stored result, read in two round trips for the batch."""
+    def _attach_destinations(self, items: list[_Item]) -> None:
+        """Each item's destination, read in one round trip for the batch."""
         destinations = self._destinations.get_many(
             (i.record.tenant_id, i.record.destination) for i in items
         )
+        for item in items:
+            item.destination = destinations.get((item.record.tenant_id, item.record.destination))
+
+    def _attach_results(self, items: list[_Item]) -> None:
+        """Each item's stored result, read in one round trip for the batch."""
         results = self._results.get_many(
             (i.execution.tenant_id, i.execution.result_ref)
             for i in items
             if i.execution.result_ref is not None
         )
         for item in items:
-            item.destination = destinations.get((item.record.tenant_id, item.record.destination))
             if item.execution.result_ref is not None:
                 item.result = results.get((item.execution.tenant_id, item.execution.result_ref))
+
+    def _needs_connection(self, item: _Item, now: datetime) -> bool:
+        """Whether ``item`` would leave this pass on one of the sender's connections: a webhook
+        neither held nor perhaps still under way. (One that policy then refuses has taken a
+        connection of this pass all the same: it is dead-lettered unsent, and the connection
+        goes unused until the next pass.)"""
+        destination = item.destination
+        return (
+            destination is not None
+            and destination.kind is Kind.WEBHOOK
+            and destination.enabled
+            and not self._sent_recently(item, now)
+        )
+
+    def _wait_for_connection(self, waiting: list[_Item]) -> None:
+        """Due deliveries no connection was free for this pass: nothing is recorded for them (no
+        SENT, no attempt spent); this worker's timers offer them again at the next pass, ahead
+        of what fell due after them."""
+        for item in waiting:
+            self._remember(item.record, item.execution, due=True)
+        if waiting:
+            self._metrics.delivery_pool_deferred.inc(len(waiting))
 
     def _sent_recently(self, item: _Item, now: datetime) -> bool:
         """A SENT younger than its destination's request timeout (plus a margin): its send may
@@ -1018,10 +1060,17 @@ class DeliveryWorker:
         self._remember(outcome.record, execution)
         return outcome.record
 
-    def _remember(self, record: DeliveryRecord, execution: ExecutionRecord) -> None:
+    def _remember(
+        self, record: DeliveryRecord, execution: ExecutionRecord, *, due: bool = False
+    ) -> None:
+        """Keep ``record`` as current, with a timer for its next send: a PENDING's retry, or,
+        when ``due``, now (at the time it fell due, so that older ones go first)."""
         key = (record.operation_id, record.destination)
-        if record.state is D.PENDING and record.next_attempt_at is not None:
-            heapq.heappush(self._timers, (record.next_attempt_at, key[0], key[1], record.version))
+        at = record.next_attempt_at if record.state is D.PENDING else None
+        if due and at is None:
+            at = record.state_entered_at
+        if at is not None:
+            heapq.heappush(self._timers, (at, key[0], key[1], record.version))
         self._known[key] = (record, execution)
         self._known.move_to_end(key)
         while len(self._known) > KNOWN_LIMIT:
