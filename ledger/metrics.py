@@ -44,7 +44,7 @@ class Metrics:
     delivery_pool_connections_max: Gauge
     delivery_pool_connections_in_use: Gauge
     delivery_pool_wait_seconds: Histogram
-    delivery_pool_deferred: Counter
+    delivery_pool_waiting: Gauge
     confirmation_to_ack_seconds: Histogram
     dead_lettered_deliveries: Gauge
     delivery_redrives: Counter
@@ -242,15 +242,15 @@ class Metrics:
             ),
             delivery_pool_wait_seconds=Histogram(
                 "opledger_delivery_pool_wait_seconds",
-                "Time from a webhook send's hand-over to the sender to a connection taking it "
-                "(the worker hands over no more sends than connections: near 0).",
-                buckets=_LATENCY_BUCKETS,
+                "Time a due webhook delivery waited for one of the sender's connections before "
+                "its send was recorded (0 for one that found a connection free at once).",
+                buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800),
                 registry=registry,
             ),
-            delivery_pool_deferred=Counter(
-                "opledger_delivery_pool_deferred_total",
-                "Due webhook deliveries left for a later pass because every connection of the "
-                "pass was taken: nothing recorded, no attempt spent (decision 026).",
+            delivery_pool_waiting=Gauge(
+                "opledger_delivery_pool_waiting_deliveries",
+                "Due webhook deliveries waiting for a connection now, on this worker: nothing "
+                "recorded for them, no attempt spent (decision 026).",
                 registry=registry,
             ),
             confirmation_to_ack_seconds=Histogram(

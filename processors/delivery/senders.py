@@ -382,19 +382,17 @@ class WebhookSender:
         # (plus a margin) is taken for one whose answer was lost.
         handed_over = self._loop.time()
 
-        pool = self._metrics
+        in_use = None if self._metrics is None else self._metrics.delivery_pool_connections_in_use
 
         async def lane() -> None:
             for index, send in queue:  # the lanes share one iterator: each send once
-                # A lane is one connection's turns: a send taken here had waited for one.
-                if pool is not None:
-                    pool.delivery_pool_wait_seconds.observe(self._loop.time() - handed_over)
-                    pool.delivery_pool_connections_in_use.inc()
+                if in_use is not None:
+                    in_use.inc()  # a lane is one connection's turns
                 try:
                     results[index] = await self._send(send, handed_over + send.timeout_s, guard)
                 finally:
-                    if pool is not None:
-                        pool.delivery_pool_connections_in_use.dec()
+                    if in_use is not None:
+                        in_use.dec()
 
         # One batch at a time, ``concurrency`` lanes: never more requests in flight (or
         # connections open) than that, with one task per lane rather than per send.

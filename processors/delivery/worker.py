@@ -107,6 +107,12 @@ SENT_MARGIN = timedelta(seconds=5)
 FRESH_GRACE = timedelta(seconds=2)
 #: Records this worker wrote, remembered so that a lagging projection costs no log reads.
 KNOWN_LIMIT = 200_000
+#: Deliveries remembered in the wait for a connection; past this, one put off is left for the
+#: due query to find again in its turn.
+WAITING_LIMIT = KNOWN_LIMIT // 2
+#: While more deliveries wait for a connection than a pass has room for, the due query (whose
+#: oldest rows are those same deliveries) is asked this often rather than every pass.
+BACKLOG_QUERY_EVERY_S = 1.0
 MAX_ERROR = 1000
 SCHEMA_HEADER = "opledger-schema"
 _SUCCEEDED_EXECUTION = (EXECUTION_RECORD, ExecutionState.SUCCEEDED.value)
@@ -157,6 +163,8 @@ class _Item:
     before: list[DeliveryTransitioned]
     destination: Destination | None = None
     result: StoredResult | None = None
+    #: when it was first put off for want of a connection (monotonic); None: never
+    waiting_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -224,9 +232,14 @@ class DeliveryWorker:
         )
         #: retries this worker scheduled: (when, operation id, destination, record version)
         self._timers: list[tuple[datetime, str, str, int]] = []
+        #: due webhook deliveries no connection was free for, first put off first: (operation
+        #: id, destination) -> (record version, when first put off). A pass offers as many of
+        #: them as the sender has connections, before anything else (decision 026).
+        self._waiting: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
         #: (tenant, destination) -> when a throttled destination may be sent to again
         self._paused: dict[tuple[str, str], datetime] = {}
         self._gauges_at = 0.0
+        self._due_asked_at = 0.0
         #: the sends the last pass started, whose outcomes the next pass records
         self._in_flight: _InFlight | None = None
         self._counters: dict[tuple[str, str], Any] = {}
@@ -308,6 +321,7 @@ class DeliveryWorker:
         # Another worker may write these deliveries now: what we remember may go stale.
         self._known.clear()
         self._timers.clear()
+        self._waiting.clear()
 
     @property
     def partitions(self) -> set[int]:
@@ -334,6 +348,7 @@ class DeliveryWorker:
             finally:
                 self._finish()
             sent = self._deliver(fresh)
+            self._metrics.delivery_pool_waiting.set(len(self._waiting))
         except (
             DatabaseUnavailableError,
             HistoryError,
@@ -424,6 +439,7 @@ class DeliveryWorker:
         self._assigned.clear()
         self._known.clear()
         self._timers.clear()
+        self._waiting.clear()
         self.health.partitions = ()
         self.join()
 
@@ -541,7 +557,11 @@ class DeliveryWorker:
         their sends (their outcomes are recorded by :meth:`_finish`)."""
         assert self._in_flight is None, "the previous pass's sends are finished first"
         now = datetime.now(UTC)
-        candidates = fresh[:SEND_BATCH] + self._due(now, SEND_BATCH - min(len(fresh), SEND_BATCH))
+        # The previous pass's sends are all answered (_finish): every connection is free.
+        connections = self._webhooks.connections
+        waited = self._waited(min(connections, SEND_BATCH))
+        fresh = fresh[: SEND_BATCH - len(waited)]
+        candidates = waited + fresh + self._due(now, SEND_BATCH - len(waited) - len(fresh))
         unique: dict[tuple[str, str], _Item] = {}
         for candidate in candidates:
             key = (candidate.record.tenant_id, candidate.record.destination)
@@ -554,12 +574,11 @@ class DeliveryWorker:
         if not items:
             return 0
         self._attach_destinations(items)
-        # A connection is taken before the SENT is recorded (decision 026). The previous pass's
-        # sends are all answered (_finish), so every connection of the sender is free for these.
-        items, waiting = take_connections(
-            items, self._webhooks.connections, lambda item: self._needs_connection(item, now)
+        # A connection is taken before the SENT is recorded (decision 026).
+        items, put_off = take_connections(
+            items, connections, lambda item: self._needs_connection(item, now)
         )
-        self._wait_for_connection(waiting)
+        self._wait_for_connection(items, put_off, now)
         if not items:
             return 0
         self._attach_results(items)
@@ -783,18 +802,23 @@ class DeliveryWorker:
         # The retries this worker scheduled itself are due without waiting for the projection.
         while self._timers and self._timers[0][0] <= now and len(items) < limit:
             _at, op_id, destination, version = heapq.heappop(self._timers)
+            if (op_id, destination) in self._waiting:
+                continue  # it waits for a connection, in its place
             known = self._known.get((op_id, destination))
             if known is not None and known[0].version == version:
                 items.append(_Item(known[0], known[1], []))
         taken = {(i.record.operation_id, i.record.destination) for i in items}
-        # The timers may fill the batch (deliveries that waited for a connection): the
-        # projection's oldest due rows would be those same deliveries, so it is not asked.
-        rows = retrying(self._pool, "find due deliveries", work) if len(items) < limit else []
+        rows = (
+            retrying(self._pool, "find due deliveries", work)
+            if self._ask_due(limit - len(items))
+            else []
+        )
         unknown: dict[str, str] = {}
         wanted: dict[str, set[str]] = {}
+        waiting = self._waiting
         for op_id, tenant, destination, version in rows:
-            if (op_id, destination) in taken:
-                continue
+            if (op_id, destination) in taken or (op_id, destination) in waiting:
+                continue  # already in this pass, or in the wait for a connection
             known = self._known.get((op_id, destination))
             if known is not None and known[0].version >= version:
                 # The projection is behind what this worker wrote: what it wrote is current.
@@ -814,6 +838,19 @@ class DeliveryWorker:
                     if current is not None and self._is_due(current, now):
                         items.append(_Item(current, loaded, []))
         return items
+
+    def _ask_due(self, room: int) -> bool:
+        """Whether this pass asks the projection for due deliveries, with ``room`` for them.
+        While the wait for a connection alone could fill that room, its oldest due rows are
+        mostly deliveries already waiting: asked once every BACKLOG_QUERY_EVERY_S then (a row
+        is never passed over: it is among the oldest once those before it are sent)."""
+        if room <= 0:
+            return False
+        monotonic = time.monotonic()
+        if len(self._waiting) >= room and monotonic - self._due_asked_at < BACKLOG_QUERY_EVERY_S:
+            return False
+        self._due_asked_at = monotonic
+        return True
 
     def _is_due(self, record: DeliveryRecord, now: datetime) -> bool:
         if record.state is D.PENDING:
@@ -856,14 +893,36 @@ class DeliveryWorker:
             and not self._sent_recently(item, now)
         )
 
-    def _wait_for_connection(self, waiting: list[_Item]) -> None:
-        """Due deliveries no connection was free for this pass: nothing is recorded for them (no
-        SENT, no attempt spent); this worker's timers offer them again at the next pass, ahead
-        of what fell due after them."""
-        for item in waiting:
-            self._remember(item.record, item.execution, due=True)
-        if waiting:
-            self._metrics.delivery_pool_deferred.inc(len(waiting))
+    def _waited(self, count: int) -> list[_Item]:
+        """The first ``count`` deliveries in the wait for a connection (as many as there are
+        connections); those further back wait on, unexamined: a backlog costs a pass what it
+        can send, not its length. One this worker no longer knows as it was (forgotten, or
+        changed) is left to the due query."""
+        items: list[_Item] = []
+        while self._waiting and len(items) < count:
+            key, (version, since) = self._waiting.popitem(last=False)
+            known = self._known.get(key)
+            if known is not None and known[0].version == version:
+                items.append(_Item(known[0], known[1], [], waiting_since=since))
+        return items
+
+    def _wait_for_connection(self, going: list[_Item], put_off: list[_Item], now: datetime) -> None:
+        """``put_off``: due deliveries no connection was free for. Nothing is recorded for them
+        (no SENT, no attempt spent); they join the end of the wait (one that was waiting
+        already keeps when it began). ``going``: each webhook send's wait for its connection
+        is observed (0 if it never waited)."""
+        monotonic = time.monotonic()
+        for item in put_off:
+            if len(self._waiting) >= WAITING_LIMIT:
+                break  # the rest is found again by the due query, in its turn
+            key = (item.record.operation_id, item.record.destination)
+            since = monotonic if item.waiting_since is None else item.waiting_since
+            self._waiting[key] = (item.record.version, since)
+            self._remember(item.record, item.execution)
+        observe = self._metrics.delivery_pool_wait_seconds.observe
+        for item in going:
+            if self._needs_connection(item, now):
+                observe(0.0 if item.waiting_since is None else monotonic - item.waiting_since)
 
     def _sent_recently(self, item: _Item, now: datetime) -> bool:
         """A SENT younger than its destination's request timeout (plus a margin): its send may
@@ -1060,17 +1119,10 @@ class DeliveryWorker:
         self._remember(outcome.record, execution)
         return outcome.record
 
-    def _remember(
-        self, record: DeliveryRecord, execution: ExecutionRecord, *, due: bool = False
-    ) -> None:
-        """Keep ``record`` as current, with a timer for its next send: a PENDING's retry, or,
-        when ``due``, now (at the time it fell due, so that older ones go first)."""
+    def _remember(self, record: DeliveryRecord, execution: ExecutionRecord) -> None:
         key = (record.operation_id, record.destination)
-        at = record.next_attempt_at if record.state is D.PENDING else None
-        if due and at is None:
-            at = record.state_entered_at
-        if at is not None:
-            heapq.heappush(self._timers, (at, key[0], key[1], record.version))
+        if record.state is D.PENDING and record.next_attempt_at is not None:
+            heapq.heappush(self._timers, (record.next_attempt_at, key[0], key[1], record.version))
         self._known[key] = (record, execution)
         self._known.move_to_end(key)
         while len(self._known) > KNOWN_LIMIT:
