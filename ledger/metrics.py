@@ -41,6 +41,10 @@ class Metrics:
     deliveries: Counter
     outbox_deliveries: Counter
     delivery_send_seconds: Histogram
+    delivery_pool_connections_max: Gauge
+    delivery_pool_connections_in_use: Gauge
+    delivery_pool_wait_seconds: Histogram
+    delivery_pool_waiting: Gauge
     confirmation_to_ack_seconds: Histogram
     dead_lettered_deliveries: Gauge
     delivery_redrives: Counter
@@ -200,8 +204,9 @@ class Metrics:
             deliveries=Counter(
                 "opledger_deliveries_total",
                 "Sends of deliveries by destination (its name) and outcome: acked, retry, "
-                "throttled, dead_lettered, disabled; and refused (dead-lettered before a send: "
-                "policy, a disabled or unknown destination, no stored result).",
+                "throttled, dead_lettered, disabled, not_sent (no connection came free: not an "
+                "attempt); and refused (dead-lettered before a send: policy, a disabled or "
+                "unknown destination, no stored result).",
                 ["destination", "outcome"],
                 registry=registry,
             ),
@@ -222,6 +227,30 @@ class Metrics:
                 "Time of one send (HTTP request to answer, or queue append to acknowledgement).",
                 ["kind"],
                 buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            delivery_pool_connections_max=Gauge(
+                "opledger_delivery_pool_connections_max",
+                "The webhook sender's connections (OPLEDGER_DELIVERY_CONCURRENCY): requests in "
+                "flight at once, each on a connection of its own.",
+                registry=registry,
+            ),
+            delivery_pool_connections_in_use=Gauge(
+                "opledger_delivery_pool_connections_in_use",
+                "The webhook sender's connections carrying a request now.",
+                registry=registry,
+            ),
+            delivery_pool_wait_seconds=Histogram(
+                "opledger_delivery_pool_wait_seconds",
+                "Time a due webhook delivery waited for one of the sender's connections before "
+                "its send was recorded (0 for one that found a connection free at once).",
+                buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800),
+                registry=registry,
+            ),
+            delivery_pool_waiting=Gauge(
+                "opledger_delivery_pool_waiting_deliveries",
+                "Due webhook deliveries waiting for a connection now, on this worker: nothing "
+                "recorded for them, no attempt spent (decision 026).",
                 registry=registry,
             ),
             confirmation_to_ack_seconds=Histogram(

@@ -152,7 +152,9 @@ class Settings:
     delivery_max_attempts: int = 8
     #: OPLEDGER_DELIVERY_HORIZON_S: no send is scheduled later than this after a round began.
     delivery_horizon_s: int = 3 * 24 * 3600
-    #: OPLEDGER_DELIVERY_CONCURRENCY: sends in flight at once per worker.
+    #: OPLEDGER_DELIVERY_CONCURRENCY: the webhook sender's connections: requests in flight at
+    #: once per worker. A pass records SENT for no more webhook sends than this; the other due
+    #: ones wait for the next pass, no attempt spent (decision 026).
     delivery_concurrency: int = 256
     #: OPLEDGER_DELIVERY_INLINE_MAX_BYTES: a webhook delivery carries its result in its body
     #: up to this size; a larger one carries ``result_url`` instead, which the destination

@@ -180,8 +180,10 @@ class RawListener:
 
 
 class SteppedDeliveryRig:
-    """A delivery worker on ``settings`` in this process (a 300 ms retry, no jitter), a
-    projector stepped alongside it, and a service that records succeeded calls of ``tool``."""
+    """A delivery worker on ``settings`` in this process (a 300 ms retry unless ``retry`` says
+    otherwise, no jitter; its sender's connections are ``settings.delivery_concurrency``, as in
+    the deployed worker), a projector stepped alongside it, and a service that records succeeded
+    calls of ``tool``."""
 
     def __init__(
         self,
@@ -192,6 +194,7 @@ class SteppedDeliveryRig:
         secret: str,
         webhook_timeout_ms: int = 5000,
         outbox_stall_s: float = 20.0,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.settings = settings
         self.tool, self.actor, self.secret = tool, actor, secret
@@ -201,7 +204,9 @@ class SteppedDeliveryRig:
         self.pool = open_pool(settings.dsn, name="stepped-delivery")
         self.transport = KafkaTransport(settings)
         self.history = HistoryReader(settings, self.pool)
-        self.webhooks = WebhookSender(concurrency=32, metrics=self.metrics)
+        self.webhooks = WebhookSender(
+            concurrency=settings.delivery_concurrency, metrics=self.metrics
+        )
         self.destinations = DestinationStore(self.pool)
         self.worker = DeliveryWorker(
             settings,
@@ -213,7 +218,7 @@ class SteppedDeliveryRig:
             policy=PolicyStore(self.pool).evaluate_many,
             webhooks=self.webhooks,
             metrics=self.metrics,
-            retry=RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
+            retry=retry or RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),
             unit_random=lambda: 0.5,
             outbox_stall_s=outbox_stall_s,
         )

@@ -1,14 +1,16 @@
-"""Deliveries, pure: the outbox's PENDINGs for a SUCCEEDED execution, a redrive, and the verdict
-on one send (acknowledged, try again when, give up, or stop sending to the destination at all).
-The caller passes the time and the random jitter (``ledger.domain.schedule``)."""
+"""Deliveries, pure: the outbox's PENDINGs for a SUCCEEDED execution, a redrive, which due sends
+get one of the sender's connections, and the verdict on one send (acknowledged, try again when,
+give up, or stop sending to the destination at all). The caller passes the time and the random
+jitter (``ledger.domain.schedule``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
+from typing import TypeVar
 
 from ledger.domain.events import DeliveryTransitioned
 from ledger.domain.fold import DeliveryRecord, ExecutionRecord
@@ -32,6 +34,7 @@ class Outcome(StrEnum):
     THROTTLED = "throttled"  # 429/502/504: sent again later, the destination waits too
     DEAD_LETTERED = "dead_lettered"  # attempts or horizon exhausted, or refused
     DISABLED = "disabled"  # 410 Gone: dead-lettered, and the destination disabled
+    NOT_SENT = "not_sent"  # never left the worker (no connection): sent again at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,9 @@ class SendResult:
     #: not sent at all: the body is over what the way to the destination can carry (a queue
     #: record over the producer's limit); like a 413, no later send of the same bytes can pass
     too_large: bool = False
+    #: not sent at all: no connection of the worker's came free for it before its deadline.
+    #: The worker's own shortage, not the destination's answer: not an attempt (decision 026)
+    no_connection: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,10 @@ def judge(
     unit_random: float,
 ) -> Verdict:
     """The verdict on a send that was the ``round_attempts``-th of its round."""
+    if result.no_connection:
+        # Nothing reached the destination, so nothing of its budget is used: no backoff, no
+        # throttle, no dead letter (the horizon and the attempts are judged on real answers).
+        return Verdict(Outcome.NOT_SENT, next_attempt_at=now, reason=result.detail)
     status = result.status
     if status is not None and 200 <= status < 300:
         return Verdict(Outcome.ACKED)
@@ -109,6 +119,33 @@ def judge(
     return Verdict(
         Outcome.THROTTLED if throttled else Outcome.RETRY, next_attempt_at=next_at, reason=failure
     )
+
+
+_Due = TypeVar("_Due")
+
+
+def take_connections(
+    due: Iterable[_Due], free: int, needs_connection: Callable[[_Due], bool]
+) -> tuple[list[_Due], list[_Due]]:
+    """``due`` (in the order it fell due) split into the sends that go now and those that wait.
+
+    A send is recorded SENT only with a connection to leave on (decision 026): each one that
+    needs a connection (a webhook) takes one of the ``free`` ones, in order; once none is left,
+    the others wait as they are, with nothing recorded and no attempt spent, for a pass with a
+    connection free. A send that needs none (a queue append) always goes.
+    """
+    going: list[_Due] = []
+    waiting: list[_Due] = []
+    left = free
+    for send in due:
+        if not needs_connection(send):
+            going.append(send)
+        elif left > 0:
+            left -= 1
+            going.append(send)
+        else:
+            waiting.append(send)
+    return going, waiting
 
 
 #: The longest delay a ``Retry-After`` may ask for: a destination's answer is input from outside,

@@ -2,9 +2,15 @@
 
 Webhook sends run on one uvloop loop in a thread of their own, many at once; the worker hands
 over a batch and waits for all the answers. A send never raises: whatever happens (an answer, a
-timeout, a refused connection) is a :class:`SendResult`. Redirects are not followed: a delivery
-goes where it was configured to go, or fails. Nothing is sent but the delivery's own headers and
-the two that frame the request (``Host``, ``Content-Length``): no cookies, no user agent.
+timeout, a refused connection) is a :class:`SendResult`. The sender has ``connections`` of its
+own (its pool): one request in flight on each. A batch no larger than that starts every send at
+once; the worker never hands over more, since each send it hands over is recorded SENT first
+(decision 026). A larger batch (a caller that records nothing) queues for the connections, and
+a send that finds none before its deadline comes back not sent (``no_connection``).
+
+Redirects are not followed: a delivery goes where it was configured to go, or fails. Nothing is
+sent but the delivery's own headers and the two that frame the request (``Host``,
+``Content-Length``): no cookies, no user agent.
 
 A sender given an :class:`~ledger.destinations.AddressGuard` (the delivery worker always gives
 one, from its settings) connects only to addresses the guard accepts: every address the host
@@ -323,6 +329,9 @@ class WebhookSender:
         self._observe = (
             None if metrics is None else metrics.delivery_send_seconds.labels("webhook").observe
         )
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.delivery_pool_connections_max.set(concurrency)
         # uvloop: the sends' loop does nothing but HTTP, and libuv does it with far less Python.
         self._loop = uvloop.new_event_loop()
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
@@ -346,11 +355,19 @@ class WebhookSender:
             return []
         return self.start_many(sends, guard=guard).result()
 
+    @property
+    def connections(self) -> int:
+        """The pool's size: requests in flight at once, each on a connection of its own."""
+        return self._concurrency
+
     def start_many(
         self, sends: Sequence[WebhookSend], *, guard: AddressGuard | None = None
     ) -> Future[list[SendResult]]:
         """:meth:`send_many` without waiting: the future's result is theirs. Batches go out
-        one after the other, in the order they were started."""
+        one after the other, in the order they were started. A batch of at most
+        :attr:`connections` sends, started when the one before it is answered, starts every
+        send at once; in a larger one a send may wait for a connection, and one that finds none
+        before its deadline is a ``no_connection`` result, never sent."""
         return asyncio.run_coroutine_threadsafe(self._send_all(sends, guard), self._loop)
 
     async def _send_all(
@@ -365,9 +382,17 @@ class WebhookSender:
         # (plus a margin) is taken for one whose answer was lost.
         handed_over = self._loop.time()
 
+        in_use = None if self._metrics is None else self._metrics.delivery_pool_connections_in_use
+
         async def lane() -> None:
             for index, send in queue:  # the lanes share one iterator: each send once
-                results[index] = await self._send(send, handed_over + send.timeout_s, guard)
+                if in_use is not None:
+                    in_use.inc()  # a lane is one connection's turns
+                try:
+                    results[index] = await self._send(send, handed_over + send.timeout_s, guard)
+                finally:
+                    if in_use is not None:
+                        in_use.dec()
 
         # One batch at a time, ``concurrency`` lanes: never more requests in flight (or
         # connections open) than that, with one task per lane rather than per send.
@@ -386,7 +411,9 @@ class WebhookSender:
             return SendResult(None, f"not sent: {exc}")
         if self._loop.time() >= deadline:
             return SendResult(
-                None, f"not sent: no connection came free within {send.timeout_s:g} s"
+                None,
+                f"not sent: no connection came free within {send.timeout_s:g} s",
+                no_connection=True,
             )
         started = time.monotonic()
         try:

@@ -12,16 +12,20 @@ one delivery (the seed's row "after result write, before delivery enqueue").
 outbox just opened, and from the projection (checked against the log's tail) the PENDINGs that
 are due and the SENTs whose outcome nobody recorded (a worker died after sending: row "after
 delivery send, before ACK write"). Each send is recorded SENT *before* it leaves, with the same
-``Idempotency-Key`` and body every time, so a receiver recognises a repeat. Before a send the
-worker checks policy (DELIVER, as it is now), the destination (known, enabled) and the stored
-result; a refusal dead-letters the delivery with the reason, except a destination an operator
-disabled: its deliveries wait, as they are, until it is enabled (decision 021). The destination
-and the policy are read once more after the SENTs are acknowledged, just before the sends leave,
-so a disable, a revocation or a new target committed meanwhile is obeyed. After it, ``judge``
-says ACKED, PENDING again with a backoff, or DEAD_LETTERED; a 410 also disables the destination
-(its later deliveries are dead-lettered: it said it is gone). A webhook
-whose address is in a refused network (loopback, private, link-local, ...: decision 019) is
-never connected to: its delivery is dead-lettered with the rule, and the others go on.
+``Idempotency-Key`` and body every time, so a receiver recognises a repeat, and only once one of
+the webhook sender's connections is there for it: a pass takes no more webhook sends than the
+sender has connections, and the others wait as they are, nothing recorded and no attempt spent,
+for the next pass (decision 026). Before a send the worker checks policy (DELIVER, as it is
+now), the destination (known, enabled) and the stored result; a refusal dead-letters the
+delivery with the reason, except a destination an operator disabled: its deliveries wait, as
+they are, until it is enabled (decision 021). The destination and the policy are read once more
+after the SENTs are acknowledged, just before the sends leave, so a disable, a revocation or a
+new target committed meanwhile is obeyed. After it, ``judge`` says ACKED, PENDING again with a
+backoff, or DEAD_LETTERED (a send that never left for want of a connection after all: PENDING
+again at once, its verdict not an attempt's); a 410 also disables the destination (its later
+deliveries are dead-lettered: it said it is gone). A webhook whose address is in a refused
+network (loopback, private, link-local, ...: decision 019) is never connected to: its delivery
+is dead-lettered with the rule, and the others go on.
 
 The worker loads results by reference and never calls a tool.
 """
@@ -55,6 +59,7 @@ from ledger.domain.delivery import (
     Verdict,
     judge,
     outbox_pendings,
+    take_connections,
 )
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, storable_text
 from ledger.domain.fold import Applied, DeliveryRecord, ExecutionRecord, apply_delivery
@@ -110,6 +115,12 @@ SENT_MARGIN = timedelta(seconds=5)
 FRESH_GRACE = timedelta(seconds=2)
 #: Records this worker wrote, remembered so that a lagging projection costs no log reads.
 KNOWN_LIMIT = 200_000
+#: Deliveries remembered in the wait for a connection; past this, one put off is left for the
+#: due query to find again in its turn.
+WAITING_LIMIT = KNOWN_LIMIT // 2
+#: While more deliveries wait for a connection than a pass has room for, the due query (whose
+#: oldest rows are those same deliveries) is asked this often rather than every pass.
+BACKLOG_QUERY_EVERY_S = 1.0
 MAX_ERROR = 1000
 _SUCCEEDED_EXECUTION = (EXECUTION_RECORD, ExecutionState.SUCCEEDED.value)
 
@@ -159,6 +170,8 @@ class _Item:
     before: list[DeliveryTransitioned]
     destination: Destination | None = None
     result: StoredResult | None = None
+    #: when it was first put off for want of a connection (monotonic); None: never
+    waiting_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -227,9 +240,14 @@ class DeliveryWorker:
         )
         #: retries this worker scheduled: (when, operation id, destination, record version)
         self._timers: list[tuple[datetime, str, str, int]] = []
+        #: due webhook deliveries no connection was free for, first put off first: (operation
+        #: id, destination) -> (record version, when first put off). A pass offers as many of
+        #: them as the sender has connections, before anything else (decision 026).
+        self._waiting: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
         #: (tenant, destination) -> when a throttled destination may be sent to again
         self._paused: dict[tuple[str, str], datetime] = {}
         self._gauges_at = 0.0
+        self._due_asked_at = 0.0
         #: the sends the last pass started, whose outcomes the next pass records
         self._in_flight: _InFlight | None = None
         self._counters: dict[tuple[str, str], Any] = {}
@@ -309,6 +327,7 @@ class DeliveryWorker:
         # Another worker may write these deliveries now: what we remember may go stale.
         self._known.clear()
         self._timers.clear()
+        self._waiting.clear()
 
     @property
     def partitions(self) -> set[int]:
@@ -335,6 +354,7 @@ class DeliveryWorker:
             finally:
                 self._finish()
             sent = self._deliver(fresh)
+            self._metrics.delivery_pool_waiting.set(len(self._waiting))
         except (
             DatabaseUnavailableError,
             HistoryError,
@@ -425,6 +445,7 @@ class DeliveryWorker:
         self._assigned.clear()
         self._known.clear()
         self._timers.clear()
+        self._waiting.clear()
         self.health.partitions = ()
         self.join()
 
@@ -542,7 +563,11 @@ class DeliveryWorker:
         their sends (their outcomes are recorded by :meth:`_finish`)."""
         assert self._in_flight is None, "the previous pass's sends are finished first"
         now = datetime.now(UTC)
-        candidates = fresh[:SEND_BATCH] + self._due(now, SEND_BATCH - min(len(fresh), SEND_BATCH))
+        # The previous pass's sends are all answered (_finish): every connection is free.
+        connections = self._webhooks.connections
+        waited = self._waited(min(connections, SEND_BATCH))
+        fresh = fresh[: SEND_BATCH - len(waited)]
+        candidates = waited + fresh + self._due(now, SEND_BATCH - len(waited) - len(fresh))
         unique: dict[tuple[str, str], _Item] = {}
         for candidate in candidates:
             key = (candidate.record.tenant_id, candidate.record.destination)
@@ -554,7 +579,15 @@ class DeliveryWorker:
         items = list(unique.values())
         if not items:
             return 0
-        self._attach(items)
+        self._attach_destinations(items)
+        # A connection is taken before the SENT is recorded (decision 026).
+        items, put_off = take_connections(
+            items, connections, lambda item: self._needs_connection(item, now)
+        )
+        self._wait_for_connection(items, put_off, now)
+        if not items:
+            return 0
+        self._attach_results(items)
         stale = self._policy_freshness.stale_reason()
         if stale is not None:
             # Nothing is sent or dead-lettered on a view that may lack a revocation: every
@@ -767,7 +800,7 @@ class DeliveryWorker:
                     "grace": FRESH_GRACE,
                     "paused_tenants": [p[0] for p in paused],
                     "paused_names": [p[1] for p in paused],
-                    "limit": limit,
+                    "limit": limit - len(items),
                 },
             ).fetchall()
 
@@ -775,16 +808,23 @@ class DeliveryWorker:
         # The retries this worker scheduled itself are due without waiting for the projection.
         while self._timers and self._timers[0][0] <= now and len(items) < limit:
             _at, op_id, destination, version = heapq.heappop(self._timers)
+            if (op_id, destination) in self._waiting:
+                continue  # it waits for a connection, in its place
             known = self._known.get((op_id, destination))
             if known is not None and known[0].version == version:
                 items.append(_Item(known[0], known[1], []))
         taken = {(i.record.operation_id, i.record.destination) for i in items}
-        rows = retrying(self._pool, "find due deliveries", work)
+        rows = (
+            retrying(self._pool, "find due deliveries", work)
+            if self._ask_due(limit - len(items))
+            else []
+        )
         unknown: dict[str, str] = {}
         wanted: dict[str, set[str]] = {}
+        waiting = self._waiting
         for op_id, tenant, destination, version in rows:
-            if (op_id, destination) in taken:
-                continue
+            if (op_id, destination) in taken or (op_id, destination) in waiting:
+                continue  # already in this pass, or in the wait for a connection
             known = self._known.get((op_id, destination))
             if known is not None and known[0].version >= version:
                 # The projection is behind what this worker wrote: what it wrote is current.
@@ -805,6 +845,19 @@ class DeliveryWorker:
                         items.append(_Item(current, loaded, []))
         return items
 
+    def _ask_due(self, room: int) -> bool:
+        """Whether this pass asks the projection for due deliveries, with ``room`` for them.
+        While the wait for a connection alone could fill that room, its oldest due rows are
+        mostly deliveries already waiting: asked once every BACKLOG_QUERY_EVERY_S then (a row
+        is never passed over: it is among the oldest once those before it are sent)."""
+        if room <= 0:
+            return False
+        monotonic = time.monotonic()
+        if len(self._waiting) >= room and monotonic - self._due_asked_at < BACKLOG_QUERY_EVERY_S:
+            return False
+        self._due_asked_at = monotonic
+        return True
+
     def _is_due(self, record: DeliveryRecord, now: datetime) -> bool:
         if record.state is D.PENDING:
             return record.next_attempt_at is None or record.next_attempt_at <= now
@@ -814,20 +867,68 @@ class DeliveryWorker:
             now - record.state_entered_at >= timedelta(milliseconds=100) + SENT_MARGIN
         )
 
-    def _attach(self, items: list[_Item]) -> None:
-        """Each item's destination and stored result, read in two round trips for the batch."""
+    def _attach_destinations(self, items: list[_Item]) -> None:
+        """Each item's destination, read in one round trip for the batch."""
         destinations = self._destinations.get_many(
             (i.record.tenant_id, i.record.destination) for i in items
         )
+        for item in items:
+            item.destination = destinations.get((item.record.tenant_id, item.record.destination))
+
+    def _attach_results(self, items: list[_Item]) -> None:
+        """Each item's stored result, read in one round trip for the batch."""
         results = self._results.get_many(
             (i.execution.tenant_id, i.execution.result_ref)
             for i in items
             if i.execution.result_ref is not None
         )
         for item in items:
-            item.destination = destinations.get((item.record.tenant_id, item.record.destination))
             if item.execution.result_ref is not None:
                 item.result = results.get((item.execution.tenant_id, item.execution.result_ref))
+
+    def _needs_connection(self, item: _Item, now: datetime) -> bool:
+        """Whether ``item`` would leave this pass on one of the sender's connections: a webhook
+        neither held nor perhaps still under way. (One that policy then refuses has taken a
+        connection of this pass all the same: it is dead-lettered unsent, and the connection
+        goes unused until the next pass.)"""
+        destination = item.destination
+        return (
+            destination is not None
+            and destination.kind is Kind.WEBHOOK
+            and destination.enabled
+            and not self._sent_recently(item, now)
+        )
+
+    def _waited(self, count: int) -> list[_Item]:
+        """The first ``count`` deliveries in the wait for a connection (as many as there are
+        connections); those further back wait on, unexamined: a backlog costs a pass what it
+        can send, not its length. One this worker no longer knows as it was (forgotten, or
+        changed) is left to the due query."""
+        items: list[_Item] = []
+        while self._waiting and len(items) < count:
+            key, (version, since) = self._waiting.popitem(last=False)
+            known = self._known.get(key)
+            if known is not None and known[0].version == version:
+                items.append(_Item(known[0], known[1], [], waiting_since=since))
+        return items
+
+    def _wait_for_connection(self, going: list[_Item], put_off: list[_Item], now: datetime) -> None:
+        """``put_off``: due deliveries no connection was free for. Nothing is recorded for them
+        (no SENT, no attempt spent); they join the end of the wait (one that was waiting
+        already keeps when it began). ``going``: each webhook send's wait for its connection
+        is observed (0 if it never waited)."""
+        monotonic = time.monotonic()
+        for item in put_off:
+            if len(self._waiting) >= WAITING_LIMIT:
+                break  # the rest is found again by the due query, in its turn
+            key = (item.record.operation_id, item.record.destination)
+            since = monotonic if item.waiting_since is None else item.waiting_since
+            self._waiting[key] = (item.record.version, since)
+            self._remember(item.record, item.execution)
+        observe = self._metrics.delivery_pool_wait_seconds.observe
+        for item in going:
+            if self._needs_connection(item, now):
+                observe(0.0 if item.waiting_since is None else monotonic - item.waiting_since)
 
     def _sent_recently(self, item: _Item, now: datetime) -> bool:
         """A SENT younger than its destination's request timeout (plus a margin): its send may
@@ -975,7 +1076,7 @@ class DeliveryWorker:
         record = item.record
         if verdict.outcome is Outcome.ACKED:
             return self._event(record, D.ACKED, record.attempts, now)
-        if verdict.outcome in (Outcome.RETRY, Outcome.THROTTLED):
+        if verdict.outcome in (Outcome.RETRY, Outcome.THROTTLED, Outcome.NOT_SENT):
             return self._event(
                 record,
                 D.PENDING,

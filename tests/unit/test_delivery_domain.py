@@ -20,6 +20,7 @@ from ledger.domain.delivery import (
     outbox_pendings,
     parse_retry_after,
     redrive,
+    take_connections,
 )
 from ledger.domain.fold import Applied, DeliveryRecord, ExecutionRecord, apply_delivery
 from ledger.domain.ids import content_ref, event_id
@@ -130,6 +131,49 @@ def test_retry_after_lengthens_but_never_shortens_the_wait() -> None:
     assert long.next_attempt_at == NOW + timedelta(hours=1)
     assert short.next_attempt_at == NOW + DEFAULT_SCHEDULE[0]
     assert capped.next_attempt_at == NOW + timedelta(hours=24)
+
+
+@given(
+    st.integers(1, 50),
+    st.timedeltas(min_value=timedelta(0), max_value=timedelta(days=30)),
+    st.sampled_from([None, timedelta(seconds=1), timedelta(days=2)]),
+)
+def test_a_send_that_never_left_the_worker_is_not_an_attempt(
+    attempts: int, since_start: timedelta, retry_after: timedelta | None
+) -> None:
+    # Decision 026: whatever the budget left, the horizon or a stale Retry-After, a send no
+    # connection was free for is sent again at once and never dead-letters nor throttles.
+    policy = RetryPolicy(schedule=(timedelta(seconds=1), timedelta(seconds=2)), max_attempts=3)
+    never_left = SendResult(
+        None, "not sent: no connection came free within 5 s", retry_after, no_connection=True
+    )
+    values = {"round_start": NOW - since_start, "now": NOW, "policy": policy, "unit_random": 0.5}
+    verdict = judge(never_left, round_attempts=attempts, **values)  # type: ignore[arg-type]
+    assert verdict.outcome is Outcome.NOT_SENT
+    assert verdict.next_attempt_at == NOW
+    assert verdict.reason == "not sent: no connection came free within 5 s"
+    # The same words from a send that left (no answer in time) spend the budget as before.
+    timed_out = replace(never_left, no_connection=False)
+    spent = judge(timed_out, round_attempts=attempts, **values)  # type: ignore[arg-type]
+    if attempts >= policy.max_attempts:
+        assert spent.outcome is Outcome.DEAD_LETTERED
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(0, 45))
+def test_a_send_is_taken_only_with_a_connection_in_the_order_they_fell_due(
+    needs: list[bool], free: int
+) -> None:
+    due = list(enumerate(needs))  # (the order it fell due, whether it needs a connection)
+    going, waiting = take_connections(due, free, lambda send: send[1])
+    # Nothing lost or repeated, and each part keeps the order the sends fell due in.
+    assert sorted(going + waiting) == due
+    assert going == sorted(going) and waiting == sorted(waiting)
+    # A send that needs no connection always goes; no more connections taken than are free.
+    assert all(need for _i, need in waiting)
+    connected = [i for i, need in going if need]
+    assert len(connected) == min(free, sum(needs))
+    # Those that wait fell due after every one that got a connection.
+    assert all(i > max(connected, default=-1) for i, _need in waiting)
 
 
 @given(st.integers(1, 20), st.floats(0, 0.999999))
