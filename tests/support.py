@@ -360,6 +360,7 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         OPLEDGER_KAFKA_BOOTSTRAP=settings.bootstrap_servers,
         OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
         OPLEDGER_PARTITIONS=str(settings.partitions),
+        OPLEDGER_REPLICATION_FACTOR=str(settings.replication_factor),
         OPLEDGER_PG_DSN=settings.dsn,
         OPLEDGER_PROJECTOR_GROUP=settings.projector_group,
         OPLEDGER_PROJECTOR_BATCH=str(settings.projector_batch),
