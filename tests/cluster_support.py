@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from confluent_kafka import ElectionType, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -34,13 +35,15 @@ STOP_TIMEOUT_S = 60.0
 
 #: Lighter internal topics than the broker's defaults (50 partitions each), and no automatic
 #: leader rebalancing: leadership moves when a test moves it, not every 5 minutes.
-DEFAULT_EXTRA: Mapping[str, str] = {
-    "offsets.topic.num.partitions": "6",
-    "transaction.state.log.num.partitions": "6",
-    "auto.leader.rebalance.enable": "false",
-    "num.network.threads": "2",
-    "num.io.threads": "2",
-}
+DEFAULT_EXTRA: Mapping[str, str] = MappingProxyType(
+    {
+        "offsets.topic.num.partitions": "6",
+        "transaction.state.log.num.partitions": "6",
+        "auto.leader.rebalance.enable": "false",
+        "num.network.threads": "2",
+        "num.io.threads": "2",
+    }
+)
 
 
 class ClusterError(RuntimeError):
@@ -156,7 +159,7 @@ class KafkaCluster:
     def stop(self) -> None:
         """SIGKILL every node and wait for them; also when start-up failed half-way. Not a
         controlled shutdown: the data is thrown away, and the last brokers of a quorum that is
-        leaving as a whole wait for it (60 s measured) before they give up."""
+        leaving as a whole would wait for it, for a minute, before they give up."""
         self._admins.clear()  # admin clients close with their last reference
         for node in self.nodes.values():
             self._signal(node, signal.SIGKILL)
@@ -328,11 +331,15 @@ class KafkaCluster:
                 raise ClusterError(f"node {node_id} still leads (or no leader) after {timeout}s")
             time.sleep(0.2)
 
-    def elect_preferred(self, topics: Iterable[str]) -> list[tuple[str, int]]:
+    def elect_preferred(
+        self, topics: Iterable[str], timeout: float = START_TIMEOUT_S
+    ) -> list[tuple[str, int]]:
         """Ask the cluster (the admin API's preferred-leader election) to move each partition
-        of ``topics`` back to its first replica; returns the partitions whose leader moved.
-        A partition already led by it ("election not needed") is no error."""
-        wanted = [TopicPartition(t, p) for t, p in self.partitions(topics)]
+        of ``topics`` back to its first replica, and wait until every running broker's metadata
+        shows the move; returns the partitions whose leader moved. A partition already led by
+        its first replica ("election not needed") is no error."""
+        names = list(topics)
+        wanted = [TopicPartition(t, p) for t, p in self.partitions(names)]
         # No timeouts passed: confluent-kafka 2.16.1's binding fails on either keyword
         # (SystemError "more argument specifiers than keyword list entries"); the result is
         # waited for with a bound instead.
@@ -349,7 +356,15 @@ class KafkaCluster:
                 or reason.code() != KafkaError.ELECTION_NOT_NEEDED
             ):
                 raise ClusterError(f"preferred election of {tp.topic}[{tp.partition}]: {error}")
-        return sorted(moved)
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(KafkaException, KeyError):
+                views = self._each_running(names)
+                if all(view[key].leader == view[key].preferred for view in views for key in moved):
+                    return sorted(moved)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"elected leaders not seen by every broker after {timeout}s")
+            time.sleep(0.2)
 
     def log_tail(self, node_id: int, lines: int = 30) -> str:
         node = self.nodes[node_id]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 import psycopg
@@ -24,7 +25,9 @@ from ledger.policy_store import PolicyStore
 from ledger.settings import Settings
 from ledger.topics import ensure_topics
 from opledger import db, stack
-from tests.cluster_support import KafkaCluster
+
+if TYPE_CHECKING:
+    from tests.cluster_support import KafkaCluster
 
 # Two cores are shared with Kafka and PostgreSQL: a slow example is not a failing one.
 hypothesis_settings.register_profile("opledger", deadline=None)
@@ -115,8 +118,11 @@ def module_isolated(stack_settings: Settings) -> Iterator[Settings]:
 def kafka_cluster(
     stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KafkaCluster]:
-    """A private three-node KRaft cluster from the shared stack's jars, stopped (and killed if
-    need be) after the module. A test that stops a node restarts it before it ends."""
+    """A private three-node KRaft cluster from the shared stack's jars (``KafkaCluster``),
+    killed after the module. A test that stops a node restarts it before it ends."""
+    # Imported here: the unit tier loads this file too, and needs none of it.
+    from tests.cluster_support import KafkaCluster  # noqa: PLC0415
+
     cluster = KafkaCluster(
         tmp_path_factory.mktemp("cluster"),
         stack.find_java(),

@@ -77,16 +77,27 @@ class Failure:
     thread: str
 
     def site(self) -> str:
-        """The innermost frame of opledger's own code (not the test's): where it surfaced."""
-        frames = traceback.extract_tb(self.error.__traceback__)
-        ours = [
-            f for f in frames if f.filename.startswith(str(ROOT)) and "/tests/" not in f.filename
-        ]
-        frame = (ours or frames)[-1]
-        return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} in {frame.name}"
+        """Where it surfaced (the innermost frame of opledger's own code, not the test's) and,
+        for an error raised from another, where that one came from."""
+        root = self.error
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raised, origin = _innermost(self.error), _innermost(root)
+        return raised if origin == raised else f"{raised}, from {origin}"
 
     def shape(self) -> str:
         return f"{type(self.error).__name__}: {str(self.error)[:160]}"
+
+
+def _innermost(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(str(ROOT)) and "/tests/" not in f.filename]
+    if not (ours or frames):
+        return "?"
+    frame = (ours or frames)[-1]
+    path = Path(frame.filename)
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return f"{where}:{frame.lineno} in {frame.name}"
 
 
 @dataclass
@@ -284,10 +295,7 @@ def _run(
     callers._policy = again._policy = allow_all
     try:
         wait_http(f"http://127.0.0.1:{projector_port}/healthz", timeout=120)
-        # The projector's group made the broker create its offsets topic: move it too.
-        present = cluster.admin().list_topics(timeout=10).topics
-        topics = ours + [t for t in ("__consumer_offsets",) if t in present]
-        cluster.wait_in_sync(topics)
+        cluster.wait_in_sync(ours)
         for target, count, first in (
             (_caller, CALLERS, callers),
             (_repeater, REPEATERS, again),
@@ -301,6 +309,11 @@ def _run(
         for thread in threads:
             thread.start()
         traffic.stop.wait(SETTLE_S)
+        # Consumers looking for their group coordinator made the cluster create its offsets
+        # topic by now: its leaders move too.
+        present = cluster.admin().list_topics(timeout=10).topics
+        topics = ours + [t for t in ("__consumer_offsets",) if t in present]
+        cluster.wait_in_sync(topics)
         started = time.monotonic()
         moves = _move_leaders(cluster, topics, traffic)
         moving_s = time.monotonic() - started
@@ -331,7 +344,9 @@ def _run(
     }
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     (tmp_path / "failures.txt").write_text(
-        "\n\n".join(f"{f.kind} {f.operation_id}\n{f.trace}" for f in traffic.failures)
+        "\n\n".join(
+            f"{f.at}s {f.thread}: {f.kind} {f.operation_id}\n{f.trace}" for f in traffic.failures
+        )
     )
     print(json.dumps(report, indent=1))  # the numbers of a run, shown with -s
 
