@@ -283,8 +283,11 @@ class KafkaCluster:
                 )
         return states
 
-    def leaders(self, topics: Iterable[str]) -> dict[tuple[str, int], int]:
-        return {key: state.leader for key, state in self.partitions(topics).items()}
+    def leaders(
+        self, topics: Iterable[str], node_id: int | None = None
+    ) -> dict[tuple[str, int], int]:
+        """The leader of each partition of ``topics``, as :meth:`partitions` sees it."""
+        return {key: state.leader for key, state in self.partitions(topics, node_id).items()}
 
     def _each_running(self, topics: list[str]) -> list[dict[tuple[str, int], PartitionState]]:
         return [self.partitions(topics, n) for n, node in self.nodes.items() if node.running]

@@ -240,7 +240,9 @@ def _move_leaders(cluster: KafkaCluster, topics: list[str], traffic: Traffic) ->
     move back to it). Every node runs again when this returns."""
     moves = Moves()
     for node_id, how in zip(cluster.nodes, ("SIGKILL", "SIGTERM", "SIGKILL"), strict=False):
-        before = cluster.leaders(topics)
+        # Leaders as a node that stays up sees them (the cluster-wide client may ask any).
+        witness = min(n for n in cluster.nodes if n != node_id)
+        before = cluster.leaders(topics, witness)
         started = time.monotonic()
         at = traffic.now()
         if how == "SIGKILL":
@@ -248,7 +250,7 @@ def _move_leaders(cluster: KafkaCluster, topics: list[str], traffic: Traffic) ->
         else:
             cluster.terminate(node_id)
         cluster.wait_leaders_off(node_id, topics)
-        after = cluster.leaders(topics)
+        after = cluster.leaders(topics, witness)
         moves.steps.append(
             {
                 "how": how,
@@ -262,11 +264,11 @@ def _move_leaders(cluster: KafkaCluster, topics: list[str], traffic: Traffic) ->
         restarted = cluster.restart(node_id)
         cluster.wait_in_sync(topics)
         traffic.stop.wait(SETTLE_S)
-        before = cluster.leaders(topics)
+        before = cluster.leaders(topics, witness)
         at = traffic.now()
         elected = cluster.elect_preferred(topics)
         cluster.wait_in_sync(topics)
-        after = cluster.leaders(topics)
+        after = cluster.leaders(topics, witness)
         moves.steps.append(
             {
                 "how": "preferred election",
