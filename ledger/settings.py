@@ -107,6 +107,11 @@ class Settings:
     topic_prefix: str = "opledger"
     #: OPLEDGER_PARTITIONS: partitions of the execution, delivery and dead-letter topics.
     partitions: int = 6
+    #: OPLEDGER_REPLICATION_FACTOR: replicas of every topic opledger creates: 1 for the local
+    #: single broker, 3 on a real cluster. A record is acknowledged once a majority of them
+    #: hold it (the topics' min.insync.replicas), so losing a minority of brokers loses nothing
+    #: acknowledged and writes go on.
+    replication_factor: int = 1
     #: OPLEDGER_PG_PORT: the local PostgreSQL server's port on 127.0.0.1.
     pg_port: int = 15432
     #: OPLEDGER_PG_DSN: connection string of the projection database; defaults to the local one.
@@ -244,6 +249,7 @@ class Settings:
             kafka_version=env.get("OPLEDGER_KAFKA_VERSION", "4.4.0"),
             topic_prefix=env.get("OPLEDGER_TOPIC_PREFIX", "opledger"),
             partitions=_int(env, "OPLEDGER_PARTITIONS", 6),
+            replication_factor=_int(env, "OPLEDGER_REPLICATION_FACTOR", 1),
             pg_port=_int(env, "OPLEDGER_PG_PORT", 15432),
             pg_dsn=env.get("OPLEDGER_PG_DSN", ""),
             projector_group=env.get("OPLEDGER_PROJECTOR_GROUP", "opledger-projector"),
@@ -317,6 +323,7 @@ class Settings:
             )
         for name, least in (
             ("recovery_unleased_grace_s", 0),
+            ("replication_factor", 1),
             ("delivery_interval_ms", 10),
             ("delivery_max_attempts", 1),
             ("delivery_horizon_s", 1),

@@ -32,12 +32,30 @@ class TopicError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class TopicSpec:
-    """One topic: its name, partition count and topic-level configuration."""
+    """One topic: its name, partition count, topic-level configuration and replicas."""
 
     name: str
     partitions: int
     config: Mapping[str, str]
     replication: int = 1
+
+
+def min_insync_replicas(replication: int) -> int:
+    """A majority of ``replication`` replicas (1 of 1, 2 of 2, 2 of 3): producers send with
+    acks=all, so an acknowledged record is on a majority of them, and losing any minority of
+    brokers neither loses it nor stops writes (with 3, one broker may be away: a rolling
+    restart)."""
+    return replication // 2 + 1
+
+
+def _spec(settings: Settings, name: str, partitions: int, config: Mapping[str, str]) -> TopicSpec:
+    replication = settings.replication_factor
+    return TopicSpec(
+        name,
+        partitions,
+        MappingProxyType({**config, "min.insync.replicas": str(min_insync_replicas(replication))}),
+        replication,
+    )
 
 
 # Auditors replay the whole log, so nothing is ever deleted by age or size (retention -1);
@@ -47,7 +65,6 @@ _LOG_CONFIG: Mapping[str, str] = MappingProxyType(
     {
         "cleanup.policy": "delete",
         "retention.ms": "-1",
-        "min.insync.replicas": "1",
         "message.timestamp.type": "CreateTime",
     }
 )
@@ -61,7 +78,6 @@ _LOG_CONFIG: Mapping[str, str] = MappingProxyType(
 _POLICY_CONFIG: Mapping[str, str] = MappingProxyType(
     {
         "cleanup.policy": "compact",
-        "min.insync.replicas": "1",
         "message.timestamp.type": "CreateTime",
     }
 )
@@ -79,7 +95,6 @@ POLICY_PARTITIONS = 1
 _CONSUMER_KEYS_CONFIG: Mapping[str, str] = MappingProxyType(
     {
         "cleanup.policy": "compact",
-        "min.insync.replicas": "1",
         "message.timestamp.type": "CreateTime",
     }
 )
@@ -88,27 +103,27 @@ _CONSUMER_KEYS_CONFIG: Mapping[str, str] = MappingProxyType(
 def topic_specs(settings: Settings) -> list[TopicSpec]:
     """The execution, delivery and dead-letter topics for ``settings`` (the append-only logs)."""
     return [
-        TopicSpec(settings.execution_topic, settings.partitions, _LOG_CONFIG),
-        TopicSpec(settings.delivery_topic, settings.partitions, _LOG_CONFIG),
+        _spec(settings, settings.execution_topic, settings.partitions, _LOG_CONFIG),
+        _spec(settings, settings.delivery_topic, settings.partitions, _LOG_CONFIG),
         # Same partitions so a dead letter can keep the key -> partition of its source record.
-        TopicSpec(settings.dead_letter_topic, settings.partitions, _LOG_CONFIG),
+        _spec(settings, settings.dead_letter_topic, settings.partitions, _LOG_CONFIG),
     ]
 
 
 def policy_topic_spec(settings: Settings) -> TopicSpec:
     """The compacted policy topic for ``settings``."""
-    return TopicSpec(settings.policy_topic, POLICY_PARTITIONS, _POLICY_CONFIG)
+    return _spec(settings, settings.policy_topic, POLICY_PARTITIONS, _POLICY_CONFIG)
 
 
 def consumer_keys_topic_spec(settings: Settings) -> TopicSpec:
     """The compacted consumer key store, co-partitioned with the operation topics (same count;
     records are placed by the murmur2 partition of their operation id)."""
-    return TopicSpec(settings.consumer_keys_topic, settings.partitions, _CONSUMER_KEYS_CONFIG)
+    return _spec(settings, settings.consumer_keys_topic, settings.partitions, _CONSUMER_KEYS_CONFIG)
 
 
 def consumer_dead_letter_topic_spec(settings: Settings) -> TopicSpec:
     """The queue consumers' dead letters: kept like the logs, as they may be redriven."""
-    return TopicSpec(settings.consumer_dead_letter_topic, settings.partitions, _LOG_CONFIG)
+    return _spec(settings, settings.consumer_dead_letter_topic, settings.partitions, _LOG_CONFIG)
 
 
 def all_topic_specs(settings: Settings) -> list[TopicSpec]:
@@ -166,12 +181,22 @@ def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
             raise TopicError(f"topics not visible after {timeout:.0f}s: {', '.join(missing)}")
         time.sleep(0.2)
     for spec in specs:
-        actual = len(topics[spec.name].partitions)
+        partitions = topics[spec.name].partitions
+        actual = len(partitions)
         if actual != spec.partitions:
             raise TopicError(
                 f"topic {spec.name} has {actual} partitions but settings ask for "
                 f"{spec.partitions}; key -> partition routing would change, so use a new "
                 f"topic_prefix or delete the topic"
+            )
+        # Fewer replicas than asked would acknowledge records one broker's loss can take away;
+        # more is the operator's choice and kept.
+        replicas = min(len(p.replicas) for p in partitions.values())
+        if replicas < spec.replication:
+            raise TopicError(
+                f"topic {spec.name} has {replicas} replica(s) on some partition but "
+                f"OPLEDGER_REPLICATION_FACTOR asks for {spec.replication}; reassign its "
+                "partitions to more brokers or use a new topic_prefix"
             )
     _verify_cleanup(admin, specs, timeout)
 

@@ -40,7 +40,7 @@ from ledger.display import displayable
 from ledger.log import new_admin, new_producer
 from ledger.secrets import scrub
 from ledger.settings import Settings
-from ledger.topics import TopicError, ensure_topics
+from ledger.topics import TopicError, ensure_topics, min_insync_replicas
 from opledger import db, supervisor
 
 Echo = Callable[[str], None]
@@ -371,45 +371,72 @@ def ensure_kafka_jars(settings: Settings, echo: Echo = print) -> Path:
     return libs
 
 
-def _write_kafka_config(settings: Settings) -> Path:
-    conf = _kafka_conf(settings)
-    conf.mkdir(parents=True, exist_ok=True)
-    k, c = settings.kafka_port, settings.kafka_controller_port
-    properties = {
+def kraft_properties(
+    *,
+    node_id: int,
+    port: int,
+    controller_port: int,
+    voters: str,
+    log_dir: Path,
+    replication: int = 1,
+) -> dict[str, str]:
+    """``server.properties`` of one combined broker and controller on 127.0.0.1: the local
+    stack's single node, or one of the nodes of ``tests/cluster_support.py``'s cluster.
+    ``voters`` is ``controller.quorum.voters`` (``id@host:port,...``); ``replication`` the
+    replicas of the broker's internal topics (consumer offsets, transaction state)."""
+    return {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@127.0.0.1:{c}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{k},CONTROLLER://127.0.0.1:{c}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{k}",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "inter.broker.listener.name": "PLAINTEXT",
-        "log.dirs": str(_kafka_data(settings)),
+        "log.dirs": str(log_dir),
         "num.partitions": "1",
-        "offsets.topic.replication.factor": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
+        "offsets.topic.replication.factor": str(replication),
+        "transaction.state.log.replication.factor": str(replication),
+        "transaction.state.log.min.isr": str(min_insync_replicas(replication)),
         # Topics are created explicitly (ledger.topics) with their partitions and retention.
         "auto.create.topics.enable": "false",
         "group.initial.rebalance.delay.ms": "0",
     }
-    path = conf / "server.properties"
+
+
+def write_properties(path: Path, properties: Mapping[str, str]) -> Path:
+    """``properties`` as a Java properties file at ``path``."""
     path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
     return path
 
 
-def _random_cluster_id() -> str:
+def _write_kafka_config(settings: Settings) -> Path:
+    conf = _kafka_conf(settings)
+    conf.mkdir(parents=True, exist_ok=True)
+    c = settings.kafka_controller_port
+    properties = kraft_properties(
+        node_id=1,
+        port=settings.kafka_port,
+        controller_port=c,
+        voters=f"1@127.0.0.1:{c}",
+        log_dir=_kafka_data(settings),
+    )
+    return write_properties(conf / "server.properties", properties)
+
+
+def random_cluster_id() -> str:
+    """A new KRaft cluster id, as ``kafka-storage random-uuid`` prints one, minus a JVM."""
     # Kafka's Uuid.randomUuid(): url-safe base64 of 16 random bytes, never starting with "-"
-    # (it would read as a command-line flag); same as `kafka-storage random-uuid`, minus a JVM.
+    # (it would read as a command-line flag).
     while True:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         if not cluster_id.startswith("-"):
             return cluster_id
 
 
-def _format_kafka(settings: Settings, java: str, libs: Path, config: Path) -> None:
-    if (_kafka_data(settings) / "meta.properties").is_file():
-        return
+def format_kafka_storage(java: str, libs: Path, config: Path, cluster_id: str) -> None:
+    """``kafka-storage format``: the log dirs of the node ``config`` describes, for
+    ``cluster_id`` (every node of one cluster gets the same id)."""
     _run(
         [
             java,
@@ -418,12 +445,38 @@ def _format_kafka(settings: Settings, java: str, libs: Path, config: Path) -> No
             "kafka.tools.StorageTool",
             "format",
             "-t",
-            _random_cluster_id(),
+            cluster_id,
             "-c",
             str(config),
         ],
         "kafka storage format",
     )
+
+
+def _format_kafka(settings: Settings, java: str, libs: Path, config: Path) -> None:
+    if (_kafka_data(settings) / "meta.properties").is_file():
+        return
+    format_kafka_storage(java, libs, config, random_cluster_id())
+
+
+def kafka_command(
+    java: str, libs: Path, config: Path, log: Path, heap: str = KAFKA_HEAP
+) -> list[str]:
+    """The command line of a broker started from ``libs`` with ``config``, logging to ``log``
+    (quiet but for start and stop: ``kafka/log4j2.yaml``)."""
+    return [
+        java,
+        heap,
+        "-Xms256m",
+        "-XX:+UseG1GC",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={_kafka_resources() / 'log4j2.yaml'}",
+        f"-Dopledger.kafka.log={log}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.Kafka",
+        str(config),
+    ]
 
 
 def kafka_pid(settings: Settings) -> int | None:
@@ -467,19 +520,7 @@ def _start_kafka(settings: Settings, echo: Echo) -> None:
     config = _write_kafka_config(settings)
     _format_kafka(settings, java, libs, config)
     logs = log_files(settings)
-    argv = [
-        java,
-        KAFKA_HEAP,
-        "-Xms256m",
-        "-XX:+UseG1GC",
-        "-Djava.awt.headless=true",
-        f"-Dlog4j2.configurationFile={_kafka_resources() / 'log4j2.yaml'}",
-        f"-Dopledger.kafka.log={logs['kafka']}",
-        "-cp",
-        f"{libs}/*",
-        "kafka.Kafka",
-        str(config),
-    ]
+    argv = kafka_command(java, libs, config, logs["kafka"])
     with logs["kafka-stdout"].open("ab") as out:
         # A session of its own: the broker must outlive this command and ignore its Ctrl-C.
         process = subprocess.Popen(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 import psycopg
@@ -24,6 +25,9 @@ from ledger.policy_store import PolicyStore
 from ledger.settings import Settings
 from ledger.topics import ensure_topics
 from opledger import db, stack
+
+if TYPE_CHECKING:
+    from tests.cluster_support import KafkaCluster
 
 # Two cores are shared with Kafka and PostgreSQL: a slow example is not a failing one.
 hypothesis_settings.register_profile("opledger", deadline=None)
@@ -107,6 +111,38 @@ def module_isolated(stack_settings: Settings) -> Iterator[Settings]:
     """:func:`isolated` shared by a module's tests: only for tests that read what a module
     fixture wrote, never for tests that write."""
     with _isolated(stack_settings) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster(
+    stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KafkaCluster]:
+    """A private three-node KRaft cluster from the shared stack's jars (``KafkaCluster``),
+    killed after the module. A test that stops a node restarts it before it ends."""
+    # Imported here: the unit tier loads this file too, and needs none of it.
+    from tests.cluster_support import KafkaCluster  # noqa: PLC0415
+
+    cluster = KafkaCluster(
+        tmp_path_factory.mktemp("cluster"),
+        stack.find_java(),
+        stack.ensure_kafka_jars(stack_settings),
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_isolated(stack_settings: Settings, kafka_cluster: KafkaCluster) -> Iterator[Settings]:
+    """:func:`isolated` on the private cluster: its topics replicated to every node (a
+    majority in sync to acknowledge), a database of its own on the shared server."""
+    on_cluster = stack_settings.with_(
+        kafka_bootstrap=kafka_cluster.bootstrap, replication_factor=kafka_cluster.size
+    )
+    with _isolated(on_cluster) as settings:
         yield settings
 
 

@@ -23,6 +23,7 @@ def test_defaults() -> None:
     assert (s.fault_points, s.log_level, s.kafka_version) == ("", "INFO", "4.4.0")
     assert s.bootstrap_servers == "127.0.0.1:19092"
     assert s.dsn == "postgresql://opledger@127.0.0.1:15432/opledger"
+    assert s.replication_factor == 1, "the local stack's single broker"
 
 
 def test_derived_topic_names() -> None:
@@ -47,6 +48,7 @@ def test_overrides() -> None:
             "OPLEDGER_FAULT_POINTS": "projector.after_commit:kill@3",
             "OPLEDGER_LOG_LEVEL": "DEBUG",
             "OPLEDGER_KAFKA_VERSION": "4.0.0",
+            "OPLEDGER_REPLICATION_FACTOR": "3",
         }
     )
     assert (s.kafka_port, s.kafka_controller_port, s.pg_port) == (29092, 29093, 25432)
@@ -57,6 +59,7 @@ def test_overrides() -> None:
         "DEBUG",
     )
     assert s.kafka_version == "4.0.0"
+    assert s.replication_factor == 3
     assert s.bootstrap_servers == "127.0.0.1:29092"
     assert s.dsn == "postgresql://opledger@127.0.0.1:25432/opledger"
 
@@ -109,6 +112,7 @@ def test_non_integer_names_the_variable(name: str, raw: str) -> None:
         ("OPLEDGER_PG_PORT", "70000"),
         ("OPLEDGER_PROJECTOR_WEB_PORT", "0"),
         ("OPLEDGER_PARTITIONS", "0"),
+        ("OPLEDGER_REPLICATION_FACTOR", "0"),
         ("OPLEDGER_PROJECTOR_BATCH", "0"),
         ("OPLEDGER_TOPIC_PREFIX", "has space"),
         ("OPLEDGER_TOPIC_PREFIX", ""),
