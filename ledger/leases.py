@@ -253,6 +253,39 @@ class LeaseStore:
             started + _ttl_s(ttl) - _safety(ttl),
         )
 
+    def reclaim(self, lease: Lease, ttl: timedelta) -> Lease:
+        """Extend a lease this owner still holds, expired or not; raises LeaseLostError when
+        another process took it over.
+
+        The token and the owner unchanged prove that nobody acted on the operation since: every
+        other writer takes it over first, which raises the token (``take_over``). So a holder
+        whose appends stalled past its lease (a broker fenced after a SIGKILL takes longer than
+        a short lease) may carry on, where refusing would leave an intent for the recovery
+        worker and an error for a caller who did nothing wrong. Row locks order this against a
+        concurrent take-over: whichever commits first wins, the other finds no row."""
+        started = time.monotonic()
+
+        def work(conn: psycopg.Connection[Any]) -> bool:
+            row = conn.execute(
+                "UPDATE operation_leases SET expires_at = now() + %s, updated_at = now() "
+                "WHERE operation_id = %s AND token = %s AND owner = %s RETURNING 1",
+                (ttl, lease.operation_id, lease.token, lease.owner),
+            ).fetchone()
+            return row is not None
+
+        if not retrying(self._pool, f"reclaim the lease of {lease.operation_id}", work):
+            raise LeaseLostError(
+                f"{lease.operation_id}: another process took the operation over (its lease "
+                f"token is no longer {lease.token})"
+            )
+        return Lease(
+            lease.operation_id,
+            lease.tenant_id,
+            lease.token,
+            lease.owner,
+            started + _ttl_s(ttl) - _safety(ttl),
+        )
+
     def release(self, leases: Sequence[Lease]) -> None:
         """Let others take these operations at once instead of waiting for the expiry."""
         if not leases:

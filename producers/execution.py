@@ -389,6 +389,8 @@ def _dispatch_and_call(
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=reason))
         return _report(handle, error=reason, refused=True, policy=decision)
     key = ids.idempotency_key(handle.operation_id)
+    ttl = provider.terms.call_timeout + LEASE_MARGIN
+    yield from _lease_kept(core, handle, ttl)  # the intent's append may have stalled
     yield from recorded(
         core, handle, core._step(handle, ExecutionState.DISPATCHED, provider_ref=key)
     )
@@ -397,17 +399,16 @@ def _dispatch_and_call(
     leases, lease = core._leases, handle.lease
     if lease is not None and leases is not None:
         held = yield Blocking(lambda: leases.holds(lease))
-        if not held:
-            raise LeaseLostError(
-                f"{handle.operation_id}: the lease was taken over before the call; "
-                "the provider was not called"
-            )
+        if not held:  # ran out (a stalled append), or taken over: reclaimed only if not
+            yield from _lease_kept(core, handle, ttl, always=True)
     fault_point("execute.after_dispatch_before_call")
     try:
         answer: Any = yield Call(provider, arguments, key)
     except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
         # Never retried here: only reconciliation (a lookup by this key) may decide.
         interrupted = exc.original if isinstance(exc, Interrupted) else None
+        if interrupted is None:
+            yield from _lease_kept(core, handle, ttl)
         if interrupted is not None:
             judged = judge_raised(
                 type(interrupted).__name__,
@@ -440,6 +441,7 @@ def _dispatch_and_call(
         )
         raise interrupted from None
     fault_point("execute.after_response_before_result")
+    yield from _lease_kept(core, handle, ttl)
     judged = judge_answer(answer, max_result_bytes=MAX_RESULT_BYTES)
     if judged.state is ExecutionState.UNKNOWN:
         # A shape that cannot say whether the call happened, or a result no store takes: an
@@ -460,6 +462,21 @@ def _dispatch_and_call(
     )
     yield from recorded(core, handle, succeeded)
     return _report(handle, result=judged.result, policy=decision)
+
+
+def _lease_kept(
+    core: RecorderCore, handle: TrackedOperation, ttl: timedelta, *, always: bool = False
+) -> Steps[None]:
+    """Reclaim ``handle``'s lease when less than half of ``ttl`` is left of it (or ``always``):
+    an append that stalled (a broker being fenced after a SIGKILL) must not cost a caller its
+    call while nobody else has touched the operation. Raises LeaseLostError, saying the lease
+    was taken over, when someone has."""
+    leases, lease = core._leases, handle.lease
+    if leases is None or lease is None:
+        return
+    if not always and lease.remaining() >= ttl.total_seconds() / 2:
+        return
+    handle.lease = yield Blocking(lambda: leases.reclaim(lease, ttl))
 
 
 def _left_unknown(

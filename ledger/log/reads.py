@@ -49,6 +49,8 @@ SETTLING: frozenset[int] = frozenset(
         KafkaError._ALL_BROKERS_DOWN,
         KafkaError._WAIT_COORD,
         KafkaError._UNKNOWN_PARTITION,
+        # a broker handle torn down as the broker it spoke to was fenced (a SIGKILLed broker)
+        KafkaError._DESTROY_BROKER,
     }
 )
 
@@ -76,11 +78,17 @@ def ride_out(
     bootstrap: str,
     partitions: Sequence[tuple[str, int]] = (),
     pause_s: float = 0.1,
+    refresh: Callable[[], object] | None = None,
 ) -> T:
     """``call()``, asked again after each error that :func:`settling` accepts until ``deadline``
     (``time.monotonic()``); pauses grow from ``pause_s`` to 1 s. Any other error is raised at
     once, as it was; a settling one past the deadline as :class:`LogUnavailableError` naming
-    ``what`` was read, from which broker and partitions, and what to do."""
+    ``what`` was read, from which broker and partitions, and what to do.
+
+    ``refresh`` is called before each new try: a client's view of who leads a partition is
+    not refreshed by a failed offsets request (after a broker was SIGKILLed, a long-lived
+    consumer answered ``_UNKNOWN_PARTITION`` for 25 s and more, until a metadata request), so
+    the caller asks for the metadata again."""
     tries = 0
     while True:
         try:
@@ -103,6 +111,11 @@ def ride_out(
                 log.info("%s: %s; asking again", what, exc.args[0] if exc.args else exc)
             time.sleep(min(pause_s, deadline - now))
             pause_s = min(pause_s * 2, 1.0)
+            if refresh is not None:
+                try:
+                    refresh()
+                except KafkaException as failure:  # the next try says what is wrong
+                    log.debug("%s: metadata not refreshed: %s", what, failure)
 
 
 def watermarks(
@@ -120,7 +133,18 @@ def watermarks(
         what="a partition's watermarks",
         bootstrap=bootstrap,
         partitions=[(tp.topic, tp.partition)],
+        refresh=_metadata_of(consumer, [tp.topic]),
     )
+
+
+def _metadata_of(consumer: Consumer, topics: Sequence[str]) -> Callable[[], None]:
+    """Asks the cluster again who leads ``topics``' partitions (what a retry needs first)."""
+
+    def refresh() -> None:
+        for topic in dict.fromkeys(topics):
+            consumer.list_topics(topic, timeout=5)
+
+    return refresh
 
 
 #: ListOffsets' timestamp for "the latest offset" (Kafka's protocol; librdkafka passes it on).
@@ -149,7 +173,12 @@ def latest_offsets(
         )
 
     answers = ride_out(
-        ask, deadline=deadline, what="the log's ends", bootstrap=bootstrap, partitions=keys
+        ask,
+        deadline=deadline,
+        what="the log's ends",
+        bootstrap=bootstrap,
+        partitions=keys,
+        refresh=_metadata_of(consumer, [t for t, _p in keys]),
     )
     latest: dict[tuple[str, int], int] = {}
     for answer in answers:

@@ -128,6 +128,10 @@ class _Consumer:
     def __init__(self, *errors: int) -> None:
         self.errors = list(errors)
         self.asked = 0
+        self.refreshed: list[str] = []
+
+    def list_topics(self, topic: str, timeout: float) -> None:
+        self.refreshed.append(topic)
 
     def offsets_for_times(self, partitions: list[TopicPartition], timeout: float) -> list[Any]:
         self.asked += 1
@@ -144,6 +148,9 @@ def test_a_leader_moving_under_a_read_of_the_ends_is_ridden_out() -> None:
     ends = latest_offsets(consumer, KEYS, time.monotonic() + 10)  # type: ignore[arg-type]
     assert ends == {("x.execution", 0): 40, ("x.delivery", 3): 43}
     assert consumer.asked == 3
+    # Before each new try the cluster is asked again who leads the partitions: a failed
+    # offsets request does not refresh the client's view (a SIGKILLed leader stayed "unknown").
+    assert consumer.refreshed == ["x.execution", "x.delivery"] * 2
 
 
 def test_a_read_that_never_settles_names_the_broker_partitions_and_what_to_do() -> None:

@@ -18,6 +18,10 @@ class _Broker:
     def __init__(self, *errors: int) -> None:
         self.errors = list(errors)
         self.asked = 0
+        self.refreshed = 0
+
+    def list_topics(self, topic: str, timeout: float) -> None:
+        self.refreshed += 1
 
     def get_watermark_offsets(
         self, _tp: TopicPartition, timeout: float, cached: bool
