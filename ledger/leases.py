@@ -231,27 +231,9 @@ class LeaseStore:
     def renew(self, lease: Lease, ttl: timedelta) -> Lease:
         """Extend a lease still held; raises LeaseLostError when it is not."""
         started = time.monotonic()
-
-        def work(conn: psycopg.Connection[Any]) -> bool:
-            row = conn.execute(
-                "UPDATE operation_leases SET expires_at = now() + %s, updated_at = now() "
-                "WHERE operation_id = %s AND token = %s AND owner = %s AND expires_at > now() "
-                "RETURNING 1",
-                (ttl, lease.operation_id, lease.token, lease.owner),
-            ).fetchone()
-            return row is not None
-
-        if not lease.valid() or not retrying(
-            self._pool, f"renew the lease of {lease.operation_id}", work
-        ):
+        if not lease.valid() or not self._extend(lease, ttl, "renew", expired_too=False):
             raise LeaseLostError(f"the lease on {lease.operation_id} expired")
-        return Lease(
-            lease.operation_id,
-            lease.tenant_id,
-            lease.token,
-            lease.owner,
-            started + _ttl_s(ttl) - _safety(ttl),
-        )
+        return _extended(lease, started, ttl)
 
     def reclaim(self, lease: Lease, ttl: timedelta) -> Lease:
         """Extend a lease this owner still holds, expired or not; raises LeaseLostError when
@@ -264,27 +246,26 @@ class LeaseStore:
         worker and an error for a caller who did nothing wrong. Row locks order this against a
         concurrent take-over: whichever commits first wins, the other finds no row."""
         started = time.monotonic()
-
-        def work(conn: psycopg.Connection[Any]) -> bool:
-            row = conn.execute(
-                "UPDATE operation_leases SET expires_at = now() + %s, updated_at = now() "
-                "WHERE operation_id = %s AND token = %s AND owner = %s RETURNING 1",
-                (ttl, lease.operation_id, lease.token, lease.owner),
-            ).fetchone()
-            return row is not None
-
-        if not retrying(self._pool, f"reclaim the lease of {lease.operation_id}", work):
+        if not self._extend(lease, ttl, "reclaim", expired_too=True):
             raise LeaseLostError(
                 f"{lease.operation_id}: another process took the operation over (its lease "
                 f"token is no longer {lease.token})"
             )
-        return Lease(
-            lease.operation_id,
-            lease.tenant_id,
-            lease.token,
-            lease.owner,
-            started + _ttl_s(ttl) - _safety(ttl),
-        )
+        return _extended(lease, started, ttl)
+
+    def _extend(self, lease: Lease, ttl: timedelta, verb: str, *, expired_too: bool) -> bool:
+        unexpired = "" if expired_too else " AND expires_at > now()"
+
+        def work(conn: psycopg.Connection[Any]) -> bool:
+            row = conn.execute(
+                "UPDATE operation_leases SET expires_at = now() + %s, updated_at = now() "
+                "WHERE operation_id = %s AND token = %s AND owner = %s" + unexpired + " "
+                "RETURNING 1",
+                (ttl, lease.operation_id, lease.token, lease.owner),
+            ).fetchone()
+            return row is not None
+
+        return retrying(self._pool, f"{verb} the lease of {lease.operation_id}", work)
 
     def release(self, leases: Sequence[Lease]) -> None:
         """Let others take these operations at once instead of waiting for the expiry."""
@@ -333,3 +314,14 @@ class LeaseStore:
 
 def _ttl_s(ttl: timedelta) -> float:
     return ttl.total_seconds()
+
+
+def _extended(lease: Lease, started: float, ttl: timedelta) -> Lease:
+    """``lease`` with a local deadline ``ttl`` from ``started`` (less the safety margin)."""
+    return Lease(
+        lease.operation_id,
+        lease.tenant_id,
+        lease.token,
+        lease.owner,
+        started + _ttl_s(ttl) - _safety(ttl),
+    )

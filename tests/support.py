@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -147,6 +148,14 @@ class Expected:
 
 def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | None, bytes | None]]:
     """Every record of ``topic`` as (partition, offset, key, value), in partition-offset order."""
+    return [(p, o, k, v) for p, o, k, v, _h in read_with_headers(settings, topic)]
+
+
+def read_with_headers(
+    settings: Settings, topic: str
+) -> list[tuple[int, int, bytes | None, bytes | None, list[tuple[str, bytes]]]]:
+    """Every record of ``topic`` as (partition, offset, key, value, headers), in
+    partition-offset order, read by a consumer of the tests' own (the outside verifier)."""
     ends = end_offsets(settings, [topic])
     consumer = Consumer(
         {
@@ -163,7 +172,7 @@ def read_all(settings: Settings, topic: str) -> list[tuple[int, int, bytes | Non
         for m in consumer.consume(10000, 1.0):
             if m.error():
                 continue
-            records.append((m.partition(), m.offset(), m.key(), m.value()))
+            records.append((m.partition(), m.offset(), m.key(), m.value(), m.headers() or []))
             remaining -= 1
     consumer.close()
     assert remaining == 0, f"could not read {remaining} records back from {topic}"
@@ -439,3 +448,39 @@ def assert_no_identifying_labels(source: str | CollectorRegistry) -> int:
                     f"{sample.name}{{{label}={value!r}}}: a label holds an operation id or a secret"
                 )
     return checked
+
+
+@contextmanager
+def recovery_worker(
+    settings: Settings, providers: Sequence[Any], allow: Callable[[Any], Any]
+) -> Iterator[Any]:
+    """A recovery worker in this process, as ``opledger recover run`` wires it, with the policy
+    ``allow`` (one request -> one decision); closed afterwards."""
+    from ledger.history import HistoryReader  # noqa: PLC0415
+    from ledger.leases import LeaseStore  # noqa: PLC0415
+    from ledger.log import KafkaTransport  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.results import ResultStore  # noqa: PLC0415
+    from processors.recovery.worker import RecoveryWorker  # noqa: PLC0415
+
+    pool = open_pool(settings.dsn, name="test-recovery")
+    transport = KafkaTransport(settings)
+    history = HistoryReader(settings, pool)
+    worker = RecoveryWorker(
+        settings,
+        pool=pool,
+        transport=transport,
+        leases=LeaseStore(pool, "test-recovery"),
+        history=history,
+        results=ResultStore(pool),
+        policy=lambda requests: [allow(r) for r in requests],
+        providers=list(providers),
+        metrics=Metrics.create(CollectorRegistry()),
+    )
+    try:
+        yield worker
+    finally:
+        worker.close()
+        history.close()
+        transport.close()
+        pool.close()

@@ -18,25 +18,17 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from prometheus_client import CollectorRegistry
 
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import ExecutionState
-from ledger.history import HistoryReader
-from ledger.leases import LeaseStore
-from ledger.log import KafkaTransport
-from ledger.metrics import Metrics
-from ledger.pg import open_pool
-from ledger.results import ResultStore
 from ledger.settings import Settings
 from ledger.tools import ProviderTerms
 from opledger import stack
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
-from processors.recovery.worker import RecoveryWorker
 from producers import RecordError, TransitionRecorder
 from producers import execution as execution_module
-from tests.support import project_in_process
+from tests.support import project_in_process, recovery_worker
 
 TERMS = ProviderTerms(
     call_timeout=timedelta(seconds=1), key_retention=timedelta(hours=1), repeat_safe=True
@@ -99,21 +91,7 @@ def test_a_broker_pause_mid_call_names_the_recorded_intent_and_its_fate(
 
 
 def _recover_until_finished(settings: Settings, provider: MemoryProvider, op_id: str) -> None:
-    pool = open_pool(settings.dsn, name="test-recovery")
-    transport = KafkaTransport(settings)
-    history = HistoryReader(settings, pool)
-    worker = RecoveryWorker(
-        settings,
-        pool=pool,
-        transport=transport,
-        leases=LeaseStore(pool, "test-recovery"),
-        history=history,
-        results=ResultStore(pool),
-        policy=lambda requests: [_allow(r) for r in requests],
-        providers=[provider],
-        metrics=Metrics.create(CollectorRegistry()),
-    )
-    try:
+    with recovery_worker(settings, [provider], _allow) as worker:
         deadline = time.monotonic() + 120
         state = None
         while time.monotonic() < deadline:
@@ -130,8 +108,3 @@ def _recover_until_finished(settings: Settings, provider: MemoryProvider, op_id:
                 return
             time.sleep(1.0)
         raise AssertionError(f"{op_id} not carried on by the recovery worker: {state}")
-    finally:
-        worker.close()
-        history.close()
-        transport.close()
-        pool.close()

@@ -17,24 +17,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import psycopg
-from prometheus_client import CollectorRegistry
 
 from ledger.domain.policy import PolicyDecision, PolicyRequest
-from ledger.history import HistoryReader
-from ledger.leases import LeaseStore
-from ledger.log import KafkaTransport
-from ledger.metrics import Metrics
-from ledger.pg import open_pool
-from ledger.results import ResultStore
 from ledger.settings import Settings
 from ledger.tools import ProviderTerms
 from opledger import stack
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
-from processors.recovery.worker import RecoveryWorker
 from producers import RecordError, TransitionRecorder
 from tests.process_support import kill, start_cli, wait_http
-from tests.support import env_for, free_port, wait_caught_up
+from tests.support import env_for, free_port, recovery_worker, wait_caught_up
 
 THREADS = 4
 RESTARTS = 2
@@ -83,29 +75,10 @@ class _Calls:
 
 
 def _recovering(settings: Settings, provider: MemoryProvider, stop: threading.Event) -> None:
-    pool = open_pool(settings.dsn, name="test-recovery")
-    transport = KafkaTransport(settings)
-    history = HistoryReader(settings, pool)
-    worker = RecoveryWorker(
-        settings,
-        pool=pool,
-        transport=transport,
-        leases=LeaseStore(pool, "test-recovery"),
-        history=history,
-        results=ResultStore(pool),
-        policy=lambda requests: [_allow(r) for r in requests],
-        providers=[provider],
-        metrics=Metrics.create(CollectorRegistry()),
-    )
-    try:
+    with recovery_worker(settings, [provider], _allow) as worker:
         while not stop.is_set():
             worker.run_once(range(settings.partitions))
             time.sleep(0.3)
-    finally:
-        worker.close()
-        history.close()
-        transport.close()
-        pool.close()
 
 
 def test_a_one_second_postgres_restart_during_calls_parks_nothing(

@@ -14,20 +14,23 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
 
 from ledger.codec import default_codec
-from ledger.log import end_offsets
 from ledger.settings import Settings
 from opledger import stack, supervisor
 from opledger.fakes.http_provider import FakeProviderControl
-from tests.support import assert_projection_matches, env_for, free_port, independent_fold
+from tests.support import (
+    assert_projection_matches,
+    env_for,
+    free_port,
+    independent_fold,
+    read_with_headers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = 60
@@ -169,8 +172,10 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
     writers: Counter[tuple[str, str]] = Counter()
     codec = default_codec()
     for topic in (settings.execution_topic, settings.delivery_topic, settings.policy_topic):
-        for key, value, headers in _records_with_headers(settings, topic):
-            event = codec.decode(value)
+        records = read_with_headers(settings, topic)
+        assert records, f"no records on {topic}"
+        for _partition, _offset, key, value, headers in records:
+            event = codec.decode(value or b"")
             assert [name for name, _v in headers] == [
                 "opledger-schema",
                 "opledger-tenant",
@@ -184,32 +189,3 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
     assert {t for t, w in writers if w == "delivery"} == {settings.delivery_topic}, writers
     assert {t for t, w in writers if w == "recovery"} == {settings.execution_topic}, writers
     assert {t for t, w in writers if w == "demo"} == {settings.policy_topic}, writers
-
-
-def _records_with_headers(
-    settings: Settings, topic: str
-) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
-    """Every record of ``topic`` as (key, value, headers), read by a consumer of the test's own
-    (the outside verifier: nothing of ledger.log reads them)."""
-    ends = end_offsets(settings, [topic])
-    consumer = Consumer(
-        {
-            "bootstrap.servers": settings.bootstrap_servers,
-            "group.id": "header-verifier",
-            "enable.auto.commit": False,
-        }
-    )
-    consumer.assign([TopicPartition(topic, p, 0) for (_t, p) in ends])
-    remaining = sum(ends.values())
-    found = []
-    deadline = time.monotonic() + 120
-    while remaining > 0 and time.monotonic() < deadline:
-        for message in consumer.consume(10_000, 1.0):
-            if message.error():
-                continue
-            found.append((message.key(), message.value(), list(message.headers() or [])))
-            remaining -= 1
-    consumer.close()
-    assert remaining == 0, f"could not read {remaining} records back from {topic}"
-    assert found, f"no records on {topic}"
-    return found
