@@ -44,6 +44,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,6 +75,8 @@ DBOS_REQUIREMENTS = (f"dbos=={DBOS_VERSION}", "psycopg[binary]==3.3.9")
 DBOS_SCRIPT = Path(__file__).resolve().parent / "dbos_calls.py"
 TENANT, ACTOR, TOOL = "acme", "agent-7", "send_email"
 GOAL_RATIO = 20.0
+#: Issue 18: calls/s with 16 callers against the raw protocol floor measured in the same run.
+GOAL_FLOOR_RATIO = 0.6
 GOAL_SEQUENTIAL_P50_MS = 3.0
 GOAL_LEASE_P50_MS = 1.0
 TERMS = ProviderTerms(
@@ -304,6 +307,8 @@ class OpledgerRun:
     paths: dict[str, list[Summary]]
     by_linger: list[tuple[int, Summary]]  # recorder path, sequential, per explicit linger.ms
     floors: tuple[Summary, Summary]  # raw produce -> ack, raw PostgreSQL commit
+    #: the call's protocol with no opledger code, by the concurrent callers (issue 18's floor)
+    protocol: Summary
 
 
 def combined(rounds: list[Summary]) -> Summary:
@@ -338,6 +343,7 @@ def run_opledger(settings: Settings, args: argparse.Namespace) -> OpledgerRun:
         # First: the projector that folds it must not meet the floors' probe records.
         grant(settings, TENANT, ACTOR, TOOL, repeat_safe=False)
     floors = measure_floors(settings, args)
+    protocol = measure_protocol_floor(settings, args)
     numbers = itertools.count()  # one sequence for the run: every result payload differs
     sequential, threaded, tasks = mode_names(args.callers)
     # The sequential modes take turns, path after path, --rounds times: on a shared machine
@@ -373,7 +379,7 @@ def run_opledger(settings: Settings, args: argparse.Namespace) -> OpledgerRun:
     if not args.skip_linger:
         for linger_ms in LINGERS_MS:
             by_linger.append((linger_ms, linger_mode(settings, numbers, linger_ms, args)))
-    return OpledgerRun(paths, by_linger, floors)
+    return OpledgerRun(paths, by_linger, floors, protocol)
 
 
 def profile_paths(settings: Settings, args: argparse.Namespace, top: int = 25) -> None:
@@ -423,6 +429,73 @@ def measure_floors(settings: Settings, args: argparse.Namespace) -> tuple[Summar
 
         commit = run_threads("raw PostgreSQL commit", insert, timeout_s=args.timeout, **sizes)
     return ack, commit
+
+
+def measure_protocol_floor(settings: Settings, args: argparse.Namespace) -> Summary:
+    """The physical floor of one call's protocol, with no opledger code, by ``--callers``
+    threads: three records produced with acks=all (the SDK's producer config), each awaited
+    before the next, and one PostgreSQL commit (a small row) after the second, as a call
+    stores its result before recording SUCCEEDED. One producer shared by every thread, its
+    reports served by a thread of its own; one connection per thread."""
+    numbers = itertools.count(50_000_000)
+    producer = Producer(producer_config(settings, client_id="bench-protocol-floor"))
+    stopping = threading.Event()
+
+    def serve_reports() -> None:
+        while not stopping.is_set():
+            producer.poll(0.05)
+
+    poller = threading.Thread(target=serve_reports, daemon=True)
+    poller.start()
+    local = threading.local()
+    connections: list[psycopg.Connection[Any]] = []
+    with psycopg.connect(settings.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE protocol_floor (id bigint PRIMARY KEY, payload bytea NOT NULL)")
+
+    def append(number: int, step: int) -> None:
+        done = threading.Event()
+        failed: list[object] = []
+
+        def report(err: object, _msg: object) -> None:
+            if err is not None:
+                failed.append(err)
+            done.set()
+
+        producer.produce(
+            settings.execution_topic,
+            tool_result(number),
+            b"floor-%d" % number,
+            headers=[("step", str(step).encode())],
+            on_delivery=report,
+        )
+        if not done.wait(10) or failed:
+            raise RuntimeError(f"record not acknowledged: {failed}")
+
+    def call() -> None:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = psycopg.connect(settings.dsn, autocommit=True)
+            connections.append(conn)
+        number = next(numbers)
+        append(number, 0)
+        append(number, 1)
+        conn.execute("INSERT INTO protocol_floor VALUES (%s, %s)", (number, tool_result(number)))
+        append(number, 2)
+
+    try:
+        return run_threads(
+            f"protocol floor, {args.callers} threads",
+            call,
+            calls=args.concurrent,
+            callers=args.callers,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+        )
+    finally:
+        stopping.set()
+        poller.join(timeout=5)
+        for conn in connections:
+            conn.close()
 
 
 # -- DBOS -------------------------------------------------------------------------------------
@@ -593,6 +666,20 @@ def print_report(
             met = sequential.p50_ms <= GOAL_SEQUENTIAL_P50_MS and not sequential.failures
             verdict = f"{sequential.p50_ms:.2f} ms ({'met' if met else 'missed'})"
         print(f"goal sequential p50 <= {GOAL_SEQUENTIAL_P50_MS:g} ms, {PATHS[path]}: {verdict}")
+    floor = ours.protocol
+    print(
+        f"protocol floor ({floor.mode}: 3 records acks=all each awaited + 1 commit per call, "
+        f"no opledger code): {_figures(floor)}"
+    )
+    for path, modes in ours.paths.items():
+        threaded = modes[1]
+        if threaded.calls_per_s and floor.calls_per_s:
+            ratio = threaded.calls_per_s / floor.calls_per_s
+            met = ratio >= GOAL_FLOOR_RATIO and not threaded.failures
+            print(
+                f"goal >= {GOAL_FLOOR_RATIO:g}x the protocol floor's calls/s, {PATHS[path]}, "
+                f"{threaded.mode}: {ratio:.2f}x ({'met' if met else 'missed'})"
+            )
     ack, commit = ours.floors
     if ack.p50_ms is not None and commit.p50_ms is not None:
         print(
