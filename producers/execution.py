@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from ledger.call_rule import perform_call
 from ledger.domain import ids
-from ledger.domain.call import judge_answer, judge_raised
+from ledger.domain.call import Judged
 from ledger.domain.events import (
     ExecutionTransitioned,
     Identifier,
@@ -57,10 +58,9 @@ from ledger.errors import (
     UnknownToolError,
 )
 from ledger.faults import fault_point
-from ledger.results import MAX_RESULT_BYTES
-from ledger.tools import AsyncProvider, ContactLost, Provider
+from ledger.tools import AsyncProvider, Provider
 from producers.operation import OperationState, TrackedOperation
-from producers.steps import Blocking, Call, Interrupted, Pause, Record, Steps
+from producers.steps import Blocking, Call, Pause, Record, Steps
 
 if TYPE_CHECKING:
     from producers.recorder import Plan, RecorderCore, TransitionRecorder
@@ -388,80 +388,69 @@ def _dispatch_and_call(
         reason = f"refused by policy {decision.version or '(no grant)'}: {decision.reason}"
         yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=reason))
         return _report(handle, error=reason, refused=True, policy=decision)
-    key = ids.idempotency_key(handle.operation_id)
-    ttl = provider.terms.call_timeout + LEASE_MARGIN
-    yield from _lease_kept(core, handle, ttl)  # the intent's append may have stalled
-    yield from recorded(
-        core, handle, core._step(handle, ExecutionState.DISPATCHED, provider_ref=key)
-    )
-    # The last moment to find out that someone else owns the operation now: past this
-    # point the provider is called.
-    leases, lease = core._leases, handle.lease
-    if lease is not None and leases is not None:
-        held = yield Blocking(lambda: leases.holds(lease))
-        if not held:  # ran out (a stalled append), or taken over: reclaimed only if not
-            yield from _lease_kept(core, handle, ttl, always=True)
-    fault_point("execute.after_dispatch_before_call")
-    try:
-        answer: Any = yield Call(provider, arguments, key)
-    except Exception as exc:  # any unconfirmed outcome is UNKNOWN, by design
-        # Never retried here: only reconciliation (a lookup by this key) may decide.
-        interrupted = exc.original if isinstance(exc, Interrupted) else None
-        if interrupted is None:
-            yield from _lease_kept(core, handle, ttl)
-        if interrupted is not None:
-            judged = judge_raised(
-                type(interrupted).__name__,
-                f"the call was interrupted ({interrupted!r})",
-                contact_lost=True,
-            )
+    port = _RecorderCallPort(core, handle, provider, arguments)
+    judged = yield from perform_call(port, handle.operation_id, stage="execute")
+    return _report(handle, result=judged.result, error=judged.error, policy=decision)
+
+
+class _RecorderCallPort:
+    """The call rule's steps (``ledger.call_rule``) as a recorder performs them: each append
+    acknowledged before the next step, the lease kept in the lease store."""
+
+    __slots__ = ("_core", "_handle", "_provider", "_request", "_ttl")
+
+    def __init__(
+        self,
+        core: RecorderCore,
+        handle: TrackedOperation,
+        provider: Provider | AsyncProvider,
+        request: Any,
+    ) -> None:
+        self._core = core
+        self._handle = handle
+        self._provider = provider
+        self._request = request
+        self._ttl = provider.terms.call_timeout + LEASE_MARGIN
+
+    def keep_lease(self, *, now: bool) -> Steps[None]:
+        core, handle = self._core, self._handle
+        leases, lease = core._leases, handle.lease
+        if now and lease is not None and leases is not None:
+            held = yield Blocking(lambda: leases.holds(lease))
+            if held:
+                return
+        # Not held any more (ran out during a stalled append, or taken over): reclaimed only
+        # if nobody took it over.
+        yield from _lease_kept(core, handle, self._ttl, always=now)
+
+    def record_dispatch(self, provider_ref: str) -> Steps[None]:
+        core, handle = self._core, self._handle
+        dispatched = core._step(handle, ExecutionState.DISPATCHED, provider_ref=provider_ref)
+        yield from recorded(core, handle, dispatched)
+
+    def call(self, key: str) -> Steps[object]:
+        answer: object = yield Call(self._provider, self._request, key)
+        return answer
+
+    def record_outcome(self, judged: Judged) -> Steps[None]:
+        core, handle = self._core, self._handle
+        if judged.state is ExecutionState.UNKNOWN:
+            # An exception here could be retried by the caller; UNKNOWN leaves it to
+            # reconciliation.
+            assert judged.error is not None
+            yield from _left_unknown(core, handle, judged.error)
+        elif judged.state is ExecutionState.FAILED:
+            failed = core._step(handle, ExecutionState.FAILED, error=judged.error)
+            yield from recorded(core, handle, failed)
         else:
-            judged = judge_raised(
-                type(exc).__name__, str(exc), contact_lost=isinstance(exc, ContactLost)
+            succeeded = core._step(
+                handle,
+                ExecutionState.SUCCEEDED,
+                result=judged.result,
+                content_type=judged.content_type,
+                provider_ref=judged.provider_ref,
             )
-        lost = judged.error or "contact lost after dispatch"
-        if interrupted is None:
-            yield from _left_unknown(core, handle, lost)
-            return _report(handle, error=str(lost), policy=decision)
-        # The interrupt (Ctrl-C, SystemExit, a cancelled task) goes on to the caller, but only
-        # once the log says the call may have happened: a caller who is never told could call
-        # again under a new id.
-        try:
-            yield from _left_unknown(core, handle, lost)
-        except Exception as failure:
-            interrupted.add_note(
-                f"opledger: {handle.operation_id} was dispatched when its call was interrupted, "
-                f"and UNKNOWN could not be recorded ({failure}): it may have happened. Do not "
-                "call it again; the recovery worker reconciles it once its lease runs out"
-            )
-            raise interrupted from failure
-        interrupted.add_note(
-            f"opledger: {handle.operation_id} was dispatched when its call was interrupted: it "
-            "is recorded UNKNOWN and the recovery worker reconciles it. Do not call it again"
-        )
-        raise interrupted from None
-    fault_point("execute.after_response_before_result")
-    yield from _lease_kept(core, handle, ttl)
-    judged = judge_answer(answer, max_result_bytes=MAX_RESULT_BYTES)
-    if judged.state is ExecutionState.UNKNOWN:
-        # A shape that cannot say whether the call happened, or a result no store takes: an
-        # exception here could be retried by the caller; UNKNOWN leaves it to reconciliation.
-        assert judged.error is not None
-        yield from _left_unknown(core, handle, judged.error)
-        return _report(handle, error=judged.error, policy=decision)
-    if judged.state is ExecutionState.FAILED:
-        error = judged.error
-        yield from recorded(core, handle, core._step(handle, ExecutionState.FAILED, error=error))
-        return _report(handle, error=error, policy=decision)
-    succeeded = core._step(
-        handle,
-        ExecutionState.SUCCEEDED,
-        result=judged.result,
-        content_type=judged.content_type,
-        provider_ref=judged.provider_ref,
-    )
-    yield from recorded(core, handle, succeeded)
-    return _report(handle, result=judged.result, policy=decision)
+            yield from recorded(core, handle, succeeded)
 
 
 def _lease_kept(

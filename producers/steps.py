@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ledger.call_rule import Interrupted
 from ledger.log import OutgoingRecord
 from ledger.tools import AsyncProvider, Provider
 from producers.operation import TrackedOperation
@@ -98,16 +99,6 @@ class Call:
     provider: Provider | AsyncProvider
     request: Any
     key: str
-
-
-class Interrupted(Exception):  # noqa: N818  # what happened to the call, not a bug of ours
-    """A :class:`Call` was ended by a ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``,
-    a cancelled task...): raised into the steps in its place, so that they record what is now
-    unknown before ``original`` is raised on to the caller."""
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(f"the call was interrupted: {type(original).__name__}")
-        self.original = original
 
 
 Effect = Record | Send | Blocking | Pause | Call

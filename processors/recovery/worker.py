@@ -40,9 +40,10 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg_pool import ConnectionPool
 
+from ledger.call_rule import immediately, perform_call, run_now
 from ledger.codec import Codec
 from ledger.domain import ids
-from ledger.domain.call import judge_answer, judge_raised, recordable_content_type
+from ledger.domain.call import Judged, recordable_content_type
 from ledger.domain.events import (
     ExecutionTransitioned,
     OperationEvent,
@@ -57,7 +58,6 @@ from ledger.domain.reconcile import Decision, LookupStatus, Verdict, decide
 from ledger.domain.states import ExecutionState
 from ledger.entropy import entropy
 from ledger.errors import RecordError
-from ledger.faults import fault_point
 from ledger.history import HistoryError, HistoryReader, Snapshot, View
 from ledger.leases import MAX_TOKEN, Lease, LeaseStore
 from ledger.log import LogTopics, LogWriter, OutgoingRecord, Positions, Transport, new_consumer
@@ -965,40 +965,14 @@ class RecoveryWorker:
         *,
         label: str,
     ) -> None:
-        """Record the decision and the dispatch it permits, then call the provider once."""
-        key = ids.idempotency_key(state.execution.operation_id)
-        dispatch = self._transition(state, X.DISPATCHED, provider_ref=key, decided=decided)
-        # Durable before the call (with whatever this operation queued before it), as always.
-        self._append(state, [decided, dispatch], now=True)
-        if not self._leases.holds(state.lease):
-            log.warning("%s: lease lost before the call; not calling", key)
-            return
-        fault_point("recover.after_dispatch_before_call")
-        try:
-            answer: object = self._bounded_call(provider, request, key)
-        except Exception as exc:  # an unconfirmed outcome is UNKNOWN, by design
-            judged = judge_raised(
-                type(exc).__name__,
-                cut_tokens(str(exc), MAX_ERROR),
-                contact_lost=isinstance(exc, ContactLost),
-            )
-        else:
-            judged = judge_answer(answer, max_result_bytes=MAX_RESULT_BYTES)
-        if judged.state is X.SUCCEEDED:
-            assert judged.result is not None
-            result_ref = self._results.put(
-                state.execution.tenant_id, judged.result, judged.content_type
-            )
-            event = self._transition(
-                state, X.SUCCEEDED, result_ref=result_ref, provider_ref=judged.provider_ref
-            )
-        else:
-            event = self._transition(state, judged.state, error=_text(judged.error or ""))
-        label_outcome = judged.state.value.lower()
-        self._append(state, [event])
-        self._metrics.provider_calls.labels(provider.tool_name, label_outcome).inc()
+        """Record the decision and the dispatch it permits, then call the provider once: the
+        call rule (``ledger.call_rule``), as every path that calls a tool performs it."""
+        port = _WorkerCallPort(self, state, provider, request, decided)
+        judged = run_now(perform_call(port, state.execution.operation_id, stage="recover"))
+        outcome = judged.state.value.lower()
+        self._metrics.provider_calls.labels(provider.tool_name, outcome).inc()
         if label == "resumed":
-            state.counted.append(self._metrics.resumed.labels(label_outcome))
+            state.counted.append(self._metrics.resumed.labels(outcome))
 
     def _bounded_call(self, provider: Provider, request: Any, key: str) -> CallOutcome:
         """``provider.call`` on a call thread, waited for at most the tool's call timeout: past
@@ -1144,6 +1118,70 @@ class RecoveryWorker:
             )
         except RecordError as exc:
             log.debug("parked age not refreshed: %s", exc)
+
+
+class _WorkerCallPort:
+    """The call rule's steps as the worker performs them for one operation of its pass: the
+    decision and the dispatch sent and acknowledged together before the call, the outcome
+    queued for the pass's one send (its result stored first)."""
+
+    __slots__ = ("_decided", "_provider", "_request", "_state", "_ttl", "_worker")
+
+    def __init__(
+        self,
+        worker: RecoveryWorker,
+        state: _State,
+        provider: Provider,
+        request: Any,
+        decided: ReconciliationDecided,
+    ) -> None:
+        self._worker = worker
+        self._state = state
+        self._provider = provider
+        self._request = request
+        self._decided = decided
+        self._ttl = provider.terms.call_timeout + LEASE_MARGIN
+
+    @immediately
+    def keep_lease(self, *, now: bool) -> None:
+        state, leases = self._state, self._worker._leases
+        if now and leases.holds(state.lease):
+            return
+        if now or state.lease.remaining() < self._ttl.total_seconds() / 2:
+            # Reclaimed only if nobody took the operation over (else LeaseLostError: the
+            # operation is left for a later pass, uncalled).
+            state.lease = leases.reclaim(state.lease, self._ttl)
+
+    @immediately
+    def record_dispatch(self, provider_ref: str) -> None:
+        worker, state = self._worker, self._state
+        dispatch = worker._transition(
+            state, ExecutionState.DISPATCHED, provider_ref=provider_ref, decided=self._decided
+        )
+        # Durable before the call (with whatever this operation queued before it), as always.
+        worker._append(state, [self._decided, dispatch], now=True)
+
+    @immediately
+    def call(self, key: str) -> object:
+        return self._worker._bounded_call(self._provider, self._request, key)
+
+    @immediately
+    def record_outcome(self, judged: Judged) -> None:
+        worker, state = self._worker, self._state
+        if judged.state is ExecutionState.SUCCEEDED:
+            assert judged.result is not None
+            result_ref = worker._results.put(
+                state.execution.tenant_id, judged.result, judged.content_type
+            )
+            event = worker._transition(
+                state,
+                ExecutionState.SUCCEEDED,
+                result_ref=result_ref,
+                provider_ref=judged.provider_ref,
+            )
+        else:
+            event = worker._transition(state, judged.state, error=_text(judged.error or ""))
+        worker._append(state, [event])
 
 
 class _State:
