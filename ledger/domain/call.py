@@ -1,9 +1,9 @@
 """The call rule's decisions, written once: what a provider's answer means and what is recorded.
 
 The rule is "dispatch → check the lease is still mine → call → judge the answer → record the
-outcome". Two processes perform it: the SDK (``producers.execution``: ``execute()`` and the
-resume of an intent taken over) and the recovery worker (a resumed intent, a reconciliation's
-new attempt). The order is theirs to keep; *what an answer means* is decided here, for both:
+outcome"; its order is performed once, by ``ledger.call_rule.perform_call``, for the SDK
+(``execute()`` and the resume of an intent taken over) and the recovery worker (a resumed
+intent, a reconciliation's new attempt). *What an answer means* is decided here:
 
 - an answer that is not a :class:`CallOutcome` of the declared shape cannot say whether the call
   happened: UNKNOWN (left to reconciliation, never an exception a caller could retry);
