@@ -294,14 +294,14 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
     # when the group hands it its partitions (nothing can be read before), and the seconds
     # spent joining are reported beside it.
     assigned_at: list[float] = []
-    on_assign = worker._on_assign
+    on_assign = worker.outbox._on_assign
 
     def noting_assignment(consumer: Any, partitions: Any) -> None:
         if not assigned_at:
             assigned_at.append(time.perf_counter())
         on_assign(consumer, partitions)
 
-    worker._on_assign = noting_assignment
+    worker.outbox._on_assign = noting_assignment  # type: ignore[method-assign]
     freeze_startup_heap()  # as the worker's host does once it has started (processors/host.py)
     try:
         worker.join()

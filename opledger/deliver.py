@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
 import logging
 import os
@@ -35,7 +34,6 @@ EXIT_USAGE = 2
 def build(settings: Settings) -> tuple[Hosted, DeliveryWorker, list[Any]]:
     """The hosted worker (with its results page), the worker, and what to close afterwards;
     wired, not started."""
-    from aiohttp import web  # noqa: PLC0415
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
     from ledger.destinations import DestinationStore  # noqa: PLC0415
@@ -45,7 +43,7 @@ def build(settings: Settings) -> tuple[Hosted, DeliveryWorker, list[Any]]:
     from ledger.pg import open_pool  # noqa: PLC0415
     from ledger.policy_store import PolicyStore  # noqa: PLC0415
     from ledger.results import ResultStore  # noqa: PLC0415
-    from processors.delivery.result_endpoint import ResultEndpoint  # noqa: PLC0415
+    from processors.delivery.results_server import ResultsServer  # noqa: PLC0415
     from processors.delivery.senders import WebhookSender  # noqa: PLC0415
     from processors.delivery.worker import DeliveryWorker  # noqa: PLC0415
     from processors.host import Hosted  # noqa: PLC0415
@@ -73,25 +71,13 @@ def build(settings: Settings) -> tuple[Hosted, DeliveryWorker, list[Any]]:
         webhooks=webhooks,
         metrics=metrics,
     )
-    endpoint = ResultEndpoint(pool, DestinationStore(pool), ResultStore(pool))
-
-    async def results(request: web.Request) -> web.Response:
-        operation_id = request.match_info["operation_id"]
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        answer = await asyncio.to_thread(endpoint.fetch, operation_id, dict(request.query), headers)
-        metrics.result_fetches.labels(answer.outcome).inc()
-        # As a header: aiohttp's content_type refuses parameters ("; charset=utf-8"), which a
-        # stored result's label may carry (validated as a media type when it was stored).
-        return web.Response(
-            body=answer.body, status=answer.status, headers={"Content-Type": answer.content_type}
-        )
-
+    results_server = ResultsServer(pool, metrics)
     hosted = Hosted(
         worker,
         registry,
         name="delivery",
         web_port=settings.delivery_web_port,
-        pages={"/results/{operation_id}": results},
+        pages=results_server.pages,
     )
     return hosted, worker, [webhooks, history, transport, pool]
 

@@ -525,10 +525,10 @@ def test_a_stale_sent_is_sent_again_with_the_same_key(
     def dies(*_args: object) -> None:
         raise SystemExit("died while sending")
 
-    rig.worker._send = dies  # type: ignore[method-assign]
+    rig.worker.sender._send = dies  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         rig.until(lambda: False, timeout=10)
-    del rig.worker._send
+    del rig.worker.sender._send
     assert rig.state(other, "hooks") is D.SENT
     rig.until(lambda: rig.state(other, "hooks") is D.ACKED, timeout=30)
     assert [r.headers["Idempotency-Key"] for r in receiver.received] == [op_id, other]

@@ -99,7 +99,7 @@ def _at_hook(monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]) -> N
             done.append(True)
             action()
 
-    monkeypatch.setattr("processors.delivery.worker.fault_point", hook)
+    monkeypatch.setattr("processors.delivery.sending.fault_point", hook)
 
 
 def _applied_errors(settings: Settings, op_id: str) -> list[str]:
@@ -134,7 +134,7 @@ def test_a_destination_disabled_while_deliveries_wait_holds_them_and_resumes_onc
         assert len(receiver.received) == 1, "sent while disabled"
         assert _state(rig, waiting) is D.PENDING and _state(rig, opened) is D.PENDING
         # Not read again at every pass either: held ones would fill its batch and starve others.
-        assert rig.worker._due(datetime.now(UTC), 10) == []
+        assert rig.worker.sender.due(datetime.now(UTC), 10) == []
         assert rig.destinations.set_enabled(
             TENANT, "hooks", enabled=True, changed_by="ops:ann", reason=None
         )

@@ -39,14 +39,14 @@ def test_an_outbox_that_stops_fetching_is_rejoined_and_the_result_delivered_once
         rig.webhook(TENANT, "hooks", receiver.url)
         _until_received(rig, receiver, rig.succeeded(TENANT))
         rejoins = rig.registry.get_sample_value("opledger_delivery_outbox_rejoins_total") or 0.0
-        consumer = rig.worker._consumer
+        consumer = rig.worker.outbox.consumer
         assert consumer is not None and consumer.assignment()
         consumer.pause(consumer.assignment())  # the fetcher stops; nothing says so
         second = rig.succeeded(TENANT)
         took = _until_received(rig, receiver, second)
         after = rig.registry.get_sample_value("opledger_delivery_outbox_rejoins_total") or 0.0
         assert after - rejoins == 1, (rejoins, after)
-        assert rig.worker._consumer is not consumer
+        assert rig.worker.outbox.consumer is not consumer
         assert keys_seen(receiver.received)[second] == 1, "delivered once"
         print(f"\ndelivered {took:.1f}s after the outbox stopped fetching (bound 1 s)")
     finally:
