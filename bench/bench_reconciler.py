@@ -213,8 +213,8 @@ class ThreadProfiles:
     """cProfile in every pool thread while it works on an operation (a lookup, a call); cProfile
     sees one thread only."""
 
-    #: the worker's methods the pool's threads run, one operation each
-    THREADED = ("_look_up", "_look_up_many", "_call_stored")
+    #: the worker's passes and their methods the pool's threads run, one operation each
+    THREADED = (("lookups", "look_up"), ("lookups", "look_up_many"), ("calls", "call_stored"))
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -222,8 +222,9 @@ class ThreadProfiles:
         self.profiles: list[cProfile.Profile] = []
 
     def wrap(self, worker: RecoveryWorker) -> None:
-        for name in self.THREADED:
-            setattr(worker, name, self._profiled(getattr(worker, name)))
+        for pass_name, name in self.THREADED:
+            worker_pass = getattr(worker, pass_name)
+            setattr(worker_pass, name, self._profiled(getattr(worker_pass, name)))
 
     def _profiled(self, work: Callable[..., Any]) -> Callable[..., Any]:
         def profiled(*args: Any) -> Any:

@@ -343,7 +343,7 @@ def test_a_revoked_grant_refuses_a_new_attempt_and_keeps_the_history(rig: Rig) -
     assert rig.sample("opledger_provider_lookups_total", lookups) == 1
     # The parked-age gauge is refreshed every 5 s: wind that back and make one more pass (it
     # leaves the parked operation alone: nothing more is counted).
-    rig.worker._parked_checked_at = 0.0
+    rig.worker.parked._refreshed_at = 0.0
     rig.worker.run_once(range(rig.settings.partitions))
     assert rig.sample("opledger_reconciliations_total", {"outcome": "refused"}) == 1
     age = rig.sample("opledger_parked_oldest_age_seconds")

@@ -159,7 +159,7 @@ def test_run_now_refuses_a_port_that_asks_its_driver_for_work() -> None:
 # -- every path performs it, and nothing else judges an answer --------------------------------
 
 #: The paths that call a tool, each of which must go through perform_call.
-CALLERS = ("producers/execution.py", "processors/recovery/worker.py")
+CALLERS = ("producers/execution.py", "processors/recovery/calls.py")
 
 
 def _calls(path: Path) -> Iterator[str]:
