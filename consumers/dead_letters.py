@@ -23,21 +23,18 @@ from typing import Any
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
-    KafkaError,
-    KafkaException,
     TopicPartition,
 )
 
 from ledger.dead_letters import (
     BY_REFERENCE_HEADER,
-    by_reference,
-    dead_letter_headers,
-    needs_reference,
+    DeadLetterUnavailableError,
     own_headers,
+    send_dead_letters,
     source_of,
 )
 from ledger.kafka import MESSAGE_MAX_BYTES
-from ledger.log import new_consumer, new_producer, watermarks
+from ledger.log import RawRecord, RawWriter, new_consumer, watermarks
 from ledger.records import Coordinates, DeadLetter
 from ledger.settings import Settings
 
@@ -50,18 +47,12 @@ KIND_HEADER = "opledger-dlq-kind"
 CONSUMER_HEADER = "opledger-dlq-consumer"
 #: Seconds the broker has to acknowledge a pass's dead letters.
 PUBLISH_TIMEOUT_S = 30.0
-_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
 #: Room for a record's framing and headers above its key and value in the producer's limit.
 _RECORD_OVERHEAD_BYTES = 64 * 1024
 
 
-class DeadLetterUnavailableError(RuntimeError):
-    """The dead-letter topic did not acknowledge every record: nothing may be committed past
-    them yet."""
-
-
 class QueueDeadLetters:
-    """A producer of one consumer's dead letters; :meth:`publish` returns once the broker
+    """A writer of one consumer's dead letters; :meth:`publish` returns once the broker
     acknowledged all of them."""
 
     def __init__(
@@ -70,60 +61,26 @@ class QueueDeadLetters:
         self.topic = settings.consumer_dead_letter_topic
         self._consumer = consumer.encode()
         self._timeout_s = timeout_s
-        self._producer = new_producer(
+        self._writer = RawWriter(
             settings, client_id=f"opledger-consumer-dlq-{consumer}", delivery_timeout_s=timeout_s
         )
 
     def publish(self, letters: Sequence[tuple[DeadLetter, str]]) -> None:
         """Publish each ``(letter, kind)``; a letter too large to republish goes as a reference.
         Raises :class:`DeadLetterUnavailableError` if the broker did not acknowledge them all."""
-        failures: list[tuple[int, KafkaError]] = []
-        sent: list[DeadLetter] = []
-        for index, (letter, kind) in enumerate(letters):
-            outgoing = by_reference(letter) if needs_reference(letter) else letter
-            sent.append(self._produce(outgoing, kind, index, failures))
-        remaining = self._producer.flush(self._timeout_s)
-        retry: list[tuple[int, KafkaError]] = []
-        for index, error in list(failures):
-            letter = sent[index]
-            if error.code() in _TOO_LARGE and not letter.by_reference:
-                self._produce(by_reference(letter), letters[index][1], index, retry)
-            else:
-                retry.append((index, error))
-        if failures:
-            remaining = self._producer.flush(self._timeout_s)
-        if remaining or retry:
-            reasons = sorted({e.str() for _, e in retry}) or [f"{remaining} unacknowledged"]
-            raise DeadLetterUnavailableError(f"dead letters not published: {'; '.join(reasons)}")
+        extra = [
+            [(KIND_HEADER, kind.encode()), (CONSUMER_HEADER, self._consumer)] for _, kind in letters
+        ]
+        send_dead_letters(
+            self._writer,
+            self.topic,
+            [letter for letter, _ in letters],
+            extra=extra,
+            timeout_s=self._timeout_s,
+        )
 
     def close(self) -> None:
-        self._producer.flush(self._timeout_s)
-
-    def _produce(
-        self, letter: DeadLetter, kind: str, index: int, failures: list[tuple[int, KafkaError]]
-    ) -> DeadLetter:
-        def on_delivery(error: KafkaError | None, _message: Any) -> None:
-            if error is not None:
-                failures.append((index, error))
-
-        extra = [(KIND_HEADER, kind.encode()), (CONSUMER_HEADER, self._consumer)]
-        while True:
-            try:
-                self._producer.produce(
-                    self.topic,
-                    key=letter.key,
-                    value=letter.value,
-                    headers=dead_letter_headers(letter, extra),
-                    on_delivery=on_delivery,
-                )
-                return letter
-            except BufferError:
-                self._producer.poll(0.05)
-            except KafkaException as exc:  # refused locally: too large for the client
-                if letter.by_reference:
-                    raise DeadLetterUnavailableError(str(exc)) from None
-                log.warning("dead letter refused by the producer (%s); sending a reference", exc)
-                letter = by_reference(letter)
+        self._writer.close(self._timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,31 +123,26 @@ def redrive(
     ]
     wanted += [(c, m, [*_raw_headers(m)]) for c, m in read_back.items()]
     largest = max((len(m.key() or b"") + len(m.value() or b"") for _c, m, _h in wanted), default=0)
-    producer = new_producer(
+    writer = RawWriter(
         settings,
         client_id="opledger-consumer-redrive",
         # A record read back was taken by its topic, which may accept more than the
         # producer's default: the broker, not this client, decides.
         overrides={"message.max.bytes": max(MESSAGE_MAX_BYTES, largest + _RECORD_OVERHEAD_BYTES)},
     )
-    failures: list[KafkaError] = []
-
-    def on_delivery(error: KafkaError | None, _message: Any) -> None:
-        if error is not None:
-            failures.append(error)
-
-    for source, message, headers in wanted:
-        producer.produce(
-            source_topic,
-            key=message.key(),
-            value=message.value(),
-            headers=headers,
-            partition=source.partition,
-            on_delivery=on_delivery,
-        )
-    remaining = producer.flush(max(1.0, deadline - time.monotonic()))
-    if remaining or failures:
-        reasons = sorted({e.str() for e in failures}) or [f"{remaining} unacknowledged"]
+    sent = writer.send(
+        [
+            RawRecord(source_topic, message.key(), message.value(), headers, source.partition)
+            for source, message, headers in wanted
+        ],
+        max(1.0, deadline - time.monotonic()),
+    )
+    if not sent.complete:
+        reasons = sorted({reason for _, reason in sent.failed})
+        if sent.too_large:
+            reasons.append(f"{len(sent.too_large)} too large for the topic")
+        if sent.unacknowledged:
+            reasons.append(f"{sent.unacknowledged} unacknowledged")
         raise DeadLetterUnavailableError(f"redrive not acknowledged: {'; '.join(reasons)}")
     return RedriveReport(
         tuple(sorted(c for c, _m, _h in wanted)),

@@ -38,8 +38,8 @@ from confluent_kafka import (
 from psycopg_pool import ConnectionPool
 
 from ledger.domain.ids import OPERATION_ID_RE, canonical_json
-from ledger.kafka import partition_for, producer_config
-from ledger.log import new_consumer, producer_from, watermarks
+from ledger.kafka import partition_for
+from ledger.log import RawRecord, RawWriter, new_consumer, producer_from, watermarks
 from ledger.pg import DatabaseError, DatabaseUnavailableError, retrying
 from ledger.settings import Settings
 
@@ -288,6 +288,11 @@ def restore(
     return RestoreReport(len(view), records, skipped, time.monotonic() - started)
 
 
+#: How long the publisher waits for room when the producer's local queue is full, serving
+#: acknowledgements meanwhile, before it turns to its other work and tries again.
+QUEUE_FULL_WAIT_S = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class _Acked:
     operation_id: str
@@ -345,8 +350,12 @@ class KeyStorePublisher:
         self._sweep_grace_s = sweep_grace_s
         # A 10 ms linger: the key store is not on the answer's path, and fewer, larger batches
         # mean fewer acknowledgements to wake this process's Python thread for.
-        config = producer_config(settings, client_id=f"opledger-keystore-{consumer}", linger_ms=10)
-        self._producer = producer_factory(config)
+        self._writer = RawWriter(
+            settings,
+            client_id=f"opledger-keystore-{consumer}",
+            linger_ms=10,
+            producer_factory=producer_factory,
+        )
         # Filled by delivery callbacks: in the publisher thread, or in whoever calls flush().
         self._acked: list[_Acked] = []
         self._acked_lock = threading.Lock()
@@ -367,17 +376,18 @@ class KeyStorePublisher:
                 entry = self._pending.popleft()  # flush() may drain from another thread
             except IndexError:
                 return
-            try:
-                self._producer.produce(
-                    self._topic,
-                    entry.encode(),
-                    record_key(entry.consumer, entry.operation_id),
-                    partition=partition_of(entry.operation_id, self._partitions),
-                    on_delivery=self._reporter(entry),
-                )
-            except BufferError:
-                # librdkafka's queue is full: the row stays unpublished and the sweep sends it.
-                log.warning("key-store producer queue full; the sweep publishes the key later")
+            record = RawRecord(
+                self._topic,
+                record_key(entry.consumer, entry.operation_id),
+                entry.encode(),
+                [],
+                partition_of(entry.operation_id, self._partitions),
+            )
+            if not self._writer.submit(record, self._reporter(entry), wait_s=QUEUE_FULL_WAIT_S):
+                # librdkafka's queue stayed full (the broker is slow or away): the key waits
+                # at the head of the queue for the next turn, which serves acknowledgements
+                # and sweeps meanwhile; a crash now loses nothing, the row is unpublished.
+                self._pending.appendleft(entry)
                 return
 
     def _reporter(self, entry: KeyEntry) -> Callable[[KafkaError | None, Any], None]:
@@ -405,7 +415,7 @@ class KeyStorePublisher:
         last_mark = time.monotonic()
         while not self._closing.is_set():
             self._produce_pending()
-            self._producer.poll(0.01)
+            self._writer.poll(0.01)
             now = time.monotonic()
             if self._acked and (len(self._acked) >= 1000 or now - last_mark >= 0.1):
                 self._mark()
@@ -467,7 +477,7 @@ class KeyStorePublisher:
         """Wait until every handed-over key is acknowledged (and, with the thread stopped,
         marked); True if none is left."""
         self._produce_pending()
-        left = int(self._producer.flush(timeout_s))
+        left = self._writer.flush(timeout_s)
         if (self._thread is None or not self._thread.is_alive()) and self._acked:
             self._mark()
         return left == 0

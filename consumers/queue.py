@@ -62,11 +62,12 @@ from consumers.contract import (
     result_unavailable,
 )
 from consumers.dead_letters import PUBLISH_TIMEOUT_S as DEAD_LETTER_TIMEOUT_S
-from consumers.dead_letters import DeadLetterUnavailableError, QueueDeadLetters
+from consumers.dead_letters import QueueDeadLetters
 from consumers.dedup import Decision
 from consumers.fetch import ResultFetcher
 from consumers.inbox import Inbox, Recorded, Verdict
 from consumers.runtime import ConsumerRuntime
+from ledger.dead_letters import DeadLetterUnavailableError
 from ledger.faults import fault_point
 from ledger.log import new_consumer
 from ledger.pg import DatabaseError, DatabaseUnavailableError

@@ -11,9 +11,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 
+from ledger.log import RawRecord, RawWriter
 from ledger.records import Coordinates, DeadLetter
+
+log = logging.getLogger("opledger.dead_letters")
 
 #: Largest record (key + value) republished whole to the dead-letter topic. The broker accepts
 #: records up to about 1 MiB (its message.max.bytes); a dead letter adds headers, so anything
@@ -101,3 +105,53 @@ def source_of(headers: Sequence[tuple[str, bytes | None]]) -> Coordinates | None
 def own_headers(headers: Sequence[tuple[str, bytes | None]]) -> list[tuple[str, bytes | None]]:
     """A dead letter's headers less those the dead letter added: its record's own."""
     return [(k, v) for k, v in headers if not k.startswith(ADDED_HEADER_PREFIXES)]
+
+
+class DeadLetterUnavailableError(RuntimeError):
+    """The dead-letter topic did not acknowledge every letter: nothing may be committed past
+    them yet."""
+
+
+def send_dead_letters(
+    writer: RawWriter,
+    topic: str,
+    letters: Sequence[DeadLetter],
+    *,
+    extra: Sequence[Sequence[tuple[str, bytes]]] = (),
+    timeout_s: float | None = None,
+) -> list[DeadLetter]:
+    """Publish ``letters`` to ``topic`` and wait for the broker's acknowledgement of each;
+    answers them as published. A letter too large to republish whole (by this module's limit,
+    the client's, or the broker's or topic's, which may be lower than assumed) goes as a
+    reference to its record. ``extra[i]`` are headers of the writer's own for letter ``i``.
+
+    Raises :class:`DeadLetterUnavailableError` unless every letter was acknowledged."""
+    published = [by_reference(item) if needs_reference(item) else item for item in letters]
+
+    def record(index: int) -> RawRecord:
+        item = published[index]
+        headers = dead_letter_headers(item, extra[index] if extra else ())
+        return RawRecord(topic, item.key, item.value, headers)
+
+    sent = writer.send([record(i) for i in range(len(published))], timeout_s)
+    refused = list(sent.failed)
+    again = []
+    for index in sent.too_large:
+        if published[index].by_reference:
+            refused.append((index, "too large even as a reference"))
+        else:
+            published[index] = by_reference(published[index])
+            again.append(index)
+    unacknowledged = sent.unacknowledged
+    if again:
+        log.warning("%d dead letter(s) refused as too large; sending references", len(again))
+        resent = writer.send([record(i) for i in again], timeout_s)
+        refused += [(again[i], reason) for i, reason in resent.failed]
+        refused += [(again[i], "too large even as a reference") for i in resent.too_large]
+        unacknowledged += resent.unacknowledged
+    if refused or unacknowledged:
+        reasons = sorted({reason for _, reason in refused})
+        if unacknowledged:
+            reasons.append(f"{unacknowledged} unacknowledged")
+        raise DeadLetterUnavailableError(f"dead letters not published: {'; '.join(reasons)}")
+    return published

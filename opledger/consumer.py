@@ -171,8 +171,8 @@ def queue(args: argparse.Namespace, settings: Settings) -> int:
 
 def redrive(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger consumer redrive --topic T``: put a queue's dead letters back on it."""
-    from consumers.dead_letters import DeadLetterUnavailableError  # noqa: PLC0415
     from consumers.dead_letters import redrive as put_back  # noqa: PLC0415
+    from ledger.dead_letters import DeadLetterUnavailableError  # noqa: PLC0415
 
     _setup(settings)
     try:

@@ -39,12 +39,11 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
-    Producer,
     TopicPartition,
 )
 
 from ledger.codec import Codec, DecodeError
-from ledger.dead_letters import by_reference, dead_letter_headers, needs_reference
+from ledger.dead_letters import DeadLetterUnavailableError, send_dead_letters
 from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
 from ledger.kafka import (
@@ -54,7 +53,7 @@ from ledger.kafka import (
     partition_for,
     records_waiting,
 )
-from ledger.log import new_consumer, new_producer
+from ledger.log import RawWriter, new_consumer
 from ledger.metrics import Metrics
 from ledger.records import (
     Coordinates,
@@ -75,16 +74,11 @@ log = logging.getLogger("opledger.projector")
 _MACHINES = ("execution", "delivery", "control")
 
 _UNREACHABLE = (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT, KafkaError._RESOLVE)
-_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
 
 
 class ProjectorError(RuntimeError):
     """The projector cannot go on (topics missing, a fatal client error, the dead-letter path
     itself refused): the worker exits and its supervisor restarts it."""
-
-
-class _DeadLetterUnavailableError(RuntimeError):
-    """The dead-letter topic did not acknowledge a record (the broker is away)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +224,7 @@ class BatchProjector:
         self._clock = clock
         self._max_backoff_s = max_backoff_s
         self._consumer: Consumer | None = None
-        self._dlq: Producer | None = None
+        self._dlq: RawWriter | None = None
         self._stopping = threading.Event()
         self._positions: dict[tuple[str, int], int] = {}
         self._lag_reported_at = 0.0
@@ -273,12 +267,12 @@ class BatchProjector:
                 "error_cb": self._on_client_error,
             },
         )
-        self._dlq = new_producer(
+        self._dlq = RawWriter(
             self._settings,
             client_id="opledger-projector-dlq",
             delivery_timeout_s=30.0,
             linger_ms=5,
-            overrides={"error_cb": self._on_client_error},
+            on_client_error=self._on_client_error,
         )
         metadata = consumer.list_topics(timeout=10)
         assignment: list[TopicPartition] = []
@@ -333,7 +327,7 @@ class BatchProjector:
             self._consumer.close()
             self._consumer = None
         if self._dlq is not None:
-            self._dlq.flush(10)
+            self._dlq.close(10)
             self._dlq = None
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -356,7 +350,7 @@ class BatchProjector:
             self._pending = reads
         try:
             report = self._project_reads(self._pending)
-        except (SinkUnavailableError, KafkaException, _DeadLetterUnavailableError) as exc:
+        except (SinkUnavailableError, KafkaException, DeadLetterUnavailableError) as exc:
             self.health.stalled(f"{type(exc).__name__}: {exc}")
             log.warning("projection paused, will retry the same batch: %s", exc)
             self._wait_backoff()
@@ -630,27 +624,11 @@ class BatchProjector:
         coordinates, which identify repeats), but a poison record is never lost.
         """
         assert self._dlq is not None
-        failures: list[tuple[int, KafkaError]] = []
-        stored: list[DeadLetter] = []
-        for index, letter in enumerate(dead):
-            if letter.coordinates in self._published:
-                stored.append(letter)
-                continue
-            outgoing = by_reference(letter) if needs_reference(letter) else letter
-            stored.append(self._produce_dead_letter(outgoing, index, failures))
-        remaining = self._dlq.flush(30)
-        retry: list[tuple[int, KafkaError]] = []
-        for index, err in failures:
-            if err.code() in _TOO_LARGE and not stored[index].by_reference:
-                # The broker's or topic's limit is lower than we assumed: send a reference.
-                stored[index] = self._produce_dead_letter(by_reference(stored[index]), index, retry)
-            else:
-                retry.append((index, err))
-        if failures:
-            remaining = self._dlq.flush(30)
-        if remaining or retry:
-            reasons = sorted({err.str() for _, err in retry}) or [f"{remaining} unacknowledged"]
-            raise _DeadLetterUnavailableError(f"dead-letter publish failed: {'; '.join(reasons)}")
+        fresh = [letter for letter in dead if letter.coordinates not in self._published]
+        sent = iter(send_dead_letters(self._dlq, self._config.dead_letter_topic, fresh))
+        stored = [
+            letter if letter.coordinates in self._published else next(sent) for letter in dead
+        ]
         for item in stored:
             c = item.coordinates
             if c not in self._published:
@@ -665,36 +643,6 @@ class BatchProjector:
                     item.reason,
                 )
         return stored
-
-    def _produce_dead_letter(
-        self, item: DeadLetter, index: int, failures: list[tuple[int, KafkaError]]
-    ) -> DeadLetter:
-        """Produce ``item`` (or, if the client refuses its size, a reference to it); returns
-        what was produced. Failures reported by the broker land in ``failures``."""
-        assert self._dlq is not None
-
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-            if err is not None:
-                failures.append((index, err))
-
-        while True:
-            headers = dead_letter_headers(item)
-            try:
-                self._dlq.produce(
-                    self._config.dead_letter_topic,
-                    key=item.key,
-                    value=item.value,
-                    headers=headers,
-                    on_delivery=on_delivery,
-                )
-                return item
-            except BufferError:
-                self._dlq.poll(0.05)
-            except KafkaException as exc:  # refused locally (too large for the client)
-                if item.by_reference:
-                    raise
-                log.warning("dead letter refused by the producer (%s); sending a reference", exc)
-                item = by_reference(item)
 
     # -- metrics ----------------------------------------------------------------------------------
 

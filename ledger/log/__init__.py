@@ -1,7 +1,8 @@
 """The one way to the log: events become records here (:mod:`ledger.log.records`), are sent and
-acknowledged here under one resend policy (:mod:`ledger.log.send`), and the log's ends are read
-here under one policy for a cluster that is moving (:mod:`ledger.log.reads`). Kafka clients are
-constructed in :mod:`ledger.log.clients` only.
+acknowledged here under one resend policy (:mod:`ledger.log.send`; records that are not events,
+such as dead letters and key-store entries, through its :class:`~ledger.log.send.RawWriter`),
+and the log's ends are read here under one policy for a cluster that is moving
+(:mod:`ledger.log.reads`). Kafka clients are constructed in :mod:`ledger.log.clients` only.
 """
 
 from ledger.log.clients import new_admin, new_consumer, new_producer, producer_from
@@ -21,6 +22,7 @@ from ledger.log.records import (
     LogTopics,
     OutgoingRecord,
     Positions,
+    RawRecord,
     RecordBuilder,
     fits,
     payload_record,
@@ -30,6 +32,8 @@ from ledger.log.send import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
     LogWriter,
+    RawSent,
+    RawWriter,
     SplitTransport,
     Transport,
 )
@@ -46,6 +50,9 @@ __all__ = [
     "LogWriter",
     "OutgoingRecord",
     "Positions",
+    "RawRecord",
+    "RawSent",
+    "RawWriter",
     "RecordBuilder",
     "SplitTransport",
     "Transport",

@@ -53,6 +53,24 @@ class OutgoingRecord:
     partition: int | None = None
 
 
+#: Headers of a record that is not an event: whatever its owner's contract carries.
+RawHeaders = list[tuple[str, str | bytes | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """A record that is not an event, produced as it is: a dead letter (another record's own
+    key, value and headers, with why and where from), a record redriven to where it came from,
+    a key-store entry. Its contract belongs to the module that builds it; how it is sent and
+    acknowledged belongs here (:class:`~ledger.log.send.RawWriter`)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: RawHeaders
+    partition: int | None = None
+
+
 #: Where acknowledged records were written: (topic, partition, offset) each.
 Positions = list[tuple[str, int, int]]
 

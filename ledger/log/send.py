@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, runtime_checkable
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -34,6 +35,7 @@ from ledger.log.records import (
     LogTopics,
     OutgoingRecord,
     Positions,
+    RawRecord,
     RecordBuilder,
     fits,
     record_size,
@@ -86,6 +88,52 @@ class SplitTransport(Transport, Protocol):
     async def wait_async(self, submitted: Any) -> Positions:
         """:meth:`wait` without blocking the event loop."""
         ...
+
+
+def produce(
+    producer: Any,
+    record: OutgoingRecord | RawRecord,
+    on_delivery: Callable[[KafkaError | None, Any], None],
+    deadline: float,
+    make_room: Callable[[Any], None],
+) -> bool:
+    """Hand ``record`` to ``producer`` (the one produce of every writer), waiting for room in
+    the client's local queue until ``deadline`` (``time.monotonic()``); False if none came.
+    ``make_room`` is how the caller lets the queue drain (its own poll, or a pause while a
+    poller thread serves the reports). Raises ``KafkaException`` if the client refuses the
+    record itself (too large for it, say)."""
+    while True:
+        try:
+            if record.partition is None:  # the key's partition (murmur2)
+                producer.produce(
+                    record.topic,
+                    record.value,
+                    record.key,
+                    headers=record.headers,
+                    on_delivery=on_delivery,
+                )
+            else:
+                producer.produce(
+                    record.topic,
+                    record.value,
+                    record.key,
+                    partition=record.partition,
+                    headers=record.headers,
+                    on_delivery=on_delivery,
+                )
+            return True
+        except BufferError:
+            if time.monotonic() > deadline:
+                return False
+            make_room(producer)
+
+
+def _sleep_a_little(_producer: Any) -> None:
+    time.sleep(0.005)
+
+
+def _poll_a_little(producer: Any) -> None:
+    producer.poll(0.05)
 
 
 class _Reports:
@@ -249,42 +297,21 @@ class KafkaTransport:
             self._replace_producer()
         reports = _Reports(len(records))
         callback = reports.on_delivery
-        produce = self._producer.produce
         deadline = time.monotonic() + self._wait_s
         for index, record in enumerate(records):
-            while True:
-                try:
-                    if record.partition is None:  # the key's partition (murmur2)
-                        produce(
-                            record.topic,
-                            record.value,
-                            record.key,
-                            headers=record.headers,
-                            on_delivery=callback,
-                        )
-                    else:
-                        produce(
-                            record.topic,
-                            record.value,
-                            record.key,
-                            partition=record.partition,
-                            headers=record.headers,
-                            on_delivery=callback,
-                        )
-                    break
-                except BufferError:
-                    # librdkafka's local queue is full; the poller thread makes room.
-                    if time.monotonic() > deadline:
-                        raise DeliveryTimeoutError(self._timeout_message(reports)) from None
-                    time.sleep(0.005)
-                except KafkaException as exc:
-                    # Refused by the client itself; the records before it are on their way.
-                    raise DeliveryError(
-                        f"the producer refused a record for {record.topic}: {exc.args[0]}; "
-                        f"the {index} record(s) before it may be written: resend the same "
-                        "events",
-                        exc.args[0],
-                    ) from None
+            try:
+                # librdkafka's local queue may be full; the poller thread makes room.
+                handed = produce(self._producer, record, callback, deadline, _sleep_a_little)
+            except KafkaException as exc:
+                # Refused by the client itself; the records before it are on their way.
+                raise DeliveryError(
+                    f"the producer refused a record for {record.topic}: {exc.args[0]}; "
+                    f"the {index} record(s) before it may be written: resend the same "
+                    "events",
+                    exc.args[0],
+                ) from None
+            if not handed:
+                raise DeliveryTimeoutError(self._timeout_message(reports))
         return reports
 
     def send(self, records: Sequence[OutgoingRecord]) -> Positions:
@@ -436,3 +463,118 @@ class LogWriter:
 
     def close(self) -> None:
         self.transport.close()
+
+
+#: Kafka's two ways of saying a record (or its batch) is over a limit.
+TOO_LARGE: Final = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+
+
+@dataclass(frozen=True, slots=True)
+class RawSent:
+    """What became of a :meth:`RawWriter.send`: where the acknowledged records were written,
+    and by index, those refused or not acknowledged."""
+
+    positions: Positions
+    #: records refused as over a size limit, by the client or by the broker
+    too_large: list[int]
+    #: records refused for another reason, with the reason
+    failed: list[tuple[int, str]]
+    #: records handed over but not acknowledged in time, or never handed over
+    unacknowledged: int
+
+    @property
+    def complete(self) -> bool:
+        return not (self.too_large or self.failed or self.unacknowledged)
+
+
+class RawWriter:
+    """Sends records that are not events (:class:`~ledger.log.records.RawRecord`) with a
+    producer of this module's making: dead letters and the records a redrive puts back,
+    acknowledged as a batch (:meth:`send`), and the consumers' key-store entries, handed over
+    one by one and acknowledged through their callbacks (:meth:`submit`, :meth:`poll`).
+
+    A writer belongs to one caller: :meth:`send` waits for everything the producer holds.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        client_id: str,
+        delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+        linger_ms: float = 0.0,
+        overrides: dict[str, Any] | None = None,
+        on_client_error: Callable[[KafkaError], None] | None = None,
+        producer_factory: Callable[[dict[str, Any]], Any] = producer_from,
+    ) -> None:
+        config = producer_config(
+            settings,
+            client_id=client_id,
+            delivery_timeout_s=delivery_timeout_s,
+            linger_ms=linger_ms,
+        )
+        config.update(overrides or {})
+        if on_client_error is not None:
+            config["error_cb"] = on_client_error
+        self._producer = producer_factory(config)
+        self._timeout_s = delivery_timeout_s
+
+    def send(self, records: Sequence[RawRecord], timeout_s: float | None = None) -> RawSent:
+        """Produce every record and wait (at most ``timeout_s``, else the delivery timeout)
+        for the broker's answers; never raises for a record refused, it reports it."""
+        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
+        positions: Positions = []
+        too_large: list[int] = []
+        failed: list[tuple[int, str]] = []
+        answered = [0]
+
+        def report(index: int) -> Callable[[KafkaError | None, Any], None]:
+            def delivered(err: KafkaError | None, msg: Any) -> None:
+                answered[0] += 1
+                if err is None:
+                    positions.append((msg.topic(), msg.partition(), msg.offset()))
+                elif err.code() in TOO_LARGE:
+                    too_large.append(index)
+                else:
+                    failed.append((index, err.str()))
+
+            return delivered
+
+        for index, record in enumerate(records):
+            try:
+                if not produce(self._producer, record, report(index), deadline, _poll_a_little):
+                    break
+            except KafkaException as exc:  # refused by the client itself
+                err = exc.args[0]
+                if isinstance(err, KafkaError) and err.code() in TOO_LARGE:
+                    too_large.append(index)
+                else:
+                    failed.append((index, str(err)))
+        self._producer.flush(max(0.0, deadline - time.monotonic()))
+        unacknowledged = len(records) - len(too_large) - len(failed) - len(positions)
+        return RawSent(positions, sorted(too_large), sorted(failed), unacknowledged)
+
+    def submit(
+        self,
+        record: RawRecord,
+        on_delivery: Callable[[KafkaError | None, Any], None],
+        *,
+        wait_s: float = 0.0,
+    ) -> bool:
+        """Hand ``record`` over without waiting for its acknowledgement (``on_delivery`` gets
+        it, from :meth:`poll` or :meth:`flush`); waits up to ``wait_s`` for room in a full
+        local queue, serving acknowledgements meanwhile. False if none came."""
+        deadline = time.monotonic() + wait_s
+        return produce(self._producer, record, on_delivery, deadline, _poll_a_little)
+
+    def poll(self, timeout_s: float) -> None:
+        """Serve the acknowledgements that arrived (waits at most ``timeout_s`` for one)."""
+        self._producer.poll(timeout_s)
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait for every record handed over; answers how many are still unacknowledged."""
+        return int(self._producer.flush(timeout_s))
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Deliver what is queued (at most ``timeout_s``); answers how many were not."""
+        return self.flush(timeout_s)
