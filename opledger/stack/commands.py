@@ -3,10 +3,6 @@ the home's lock over the servers and the supervisor."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +13,6 @@ from opledger.stack.errors import StackError
 from opledger.stack.home import (
     ensure_consumer_secret,
     kafka_data,
-    kafka_pid_file,
     locked,
     log_files,
     pg_data,
@@ -25,9 +20,9 @@ from opledger.stack.home import (
 from opledger.stack.kafka import (
     kafka_healthy,
     kafka_pid,
+    kill_kafka,
     start_kafka,
     stop_kafka,
-    wait_ports_closed,
 )
 from opledger.stack.postgres import (
     ensure_database,
@@ -99,13 +94,7 @@ def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool 
         elif service == "kafka":
             pid = kafka_pid(settings)
             if kill and pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                while supervisor.alive(pid):
-                    time.sleep(0.05)
-                wait_ports_closed(settings)
-                kafka_pid_file(settings).unlink(missing_ok=True)
-                echo(f"kafka: killed (pid {pid})")
+                kill_kafka(settings, pid, echo)
             else:
                 stop_kafka(settings, echo)
             start_kafka(settings, echo)

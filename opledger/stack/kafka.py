@@ -340,6 +340,18 @@ def _kafka_log_tails(settings: Settings) -> str:
     return tail(logs["kafka"]) + "\n--- stdout ---\n" + tail(logs["kafka-stdout"], 15)
 
 
+def kill_kafka(settings: Settings, pid: int, echo: Echo) -> None:
+    """SIGKILL the broker ``pid``, as a crash would stop it (no controlled shutdown), and wait
+    until it and its listeners are gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    while supervisor.alive(pid):
+        time.sleep(0.05)
+    _wait_ports_closed(settings)
+    kafka_pid_file(settings).unlink(missing_ok=True)
+    echo(f"kafka: killed (pid {pid})")
+
+
 def stop_kafka(settings: Settings, echo: Echo) -> None:
     pid = kafka_pid(settings)
     if pid is None:
@@ -358,12 +370,12 @@ def stop_kafka(settings: Settings, echo: Echo) -> None:
             os.kill(pid, signal.SIGKILL)
         while supervisor.alive(pid):
             time.sleep(0.1)
-    wait_ports_closed(settings)
+    _wait_ports_closed(settings)
     kafka_pid_file(settings).unlink(missing_ok=True)
     echo(f"kafka: stopped (pid {pid})")
 
 
-def wait_ports_closed(settings: Settings, timeout: float = 10.0) -> None:
+def _wait_ports_closed(settings: Settings, timeout: float = 10.0) -> None:
     """Until the broker's ports no longer answer: a killed JVM's main thread is reaped (a
     zombie) while its other threads still close its sockets, so for a moment after it looks
     dead its listener still accepts, and a start would take that for someone else's broker."""
