@@ -20,36 +20,43 @@ from opledger.stack.processes import Echo, is_root
 
 
 def libs_dir(settings: Settings) -> Path:
+    """The broker's jars, one directory per Kafka version."""
     return settings.home / f"kafka-{settings.kafka_version}" / "libs"
 
 
 def jars_marker(settings: Settings) -> Path:
+    """Present once Maven has put every jar of the version into :func:`libs_dir`."""
     # Written only after Maven succeeded, so an interrupted download is retried, not trusted.
     return settings.home / f"kafka-{settings.kafka_version}" / "jars.complete"
 
 
 def kafka_data(settings: Settings) -> Path:
+    """The broker's log dirs (its KRaft metadata and the topics' data)."""
     return settings.home / "kafka-data"
 
 
 def kafka_conf(settings: Settings) -> Path:
+    """Where the broker's ``server.properties`` is written on every start."""
     return settings.home / "kafka-conf"
 
 
 def pg_data(settings: Settings) -> Path:
+    """PostgreSQL's cluster (its data directory)."""
     return settings.home / "postgres"
 
 
 def pg_socket_dir(settings: Settings) -> Path:
+    """The directory of PostgreSQL's Unix socket."""
     return settings.home / "pg-socket"
 
 
-def run_dir(settings: Settings) -> Path:
+def _run_dir(settings: Settings) -> Path:
     return supervisor.run_dir(settings)
 
 
 def kafka_pid_file(settings: Settings) -> Path:
-    return run_dir(settings) / "kafka.pid"
+    """The broker's pid, a hint only: ``kafka.kafka_pid`` checks the process."""
+    return _run_dir(settings) / "kafka.pid"
 
 
 def log_files(settings: Settings) -> dict[str, Path]:
@@ -77,7 +84,7 @@ def locked(settings: Settings, what: str, echo: Echo = print) -> Iterator[None]:
     try:
         fd = os.open(_lock_path(settings), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise StackError(home_error(settings, exc)) from None
+        raise StackError(_home_error(settings, exc)) from None
     with os.fdopen(fd, "r+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -113,17 +120,19 @@ def _lock_holder(fd: int) -> str:
 
 
 def prepare_home(settings: Settings) -> None:
+    """Create home, its logs and its run directory; a :class:`StackError` saying how to fix it
+    when that fails."""
     try:
-        for directory in (settings.home, settings.home / "logs", run_dir(settings)):
+        for directory in (settings.home, settings.home / "logs", _run_dir(settings)):
             directory.mkdir(parents=True, exist_ok=True)
         if is_root():
             # The unprivileged PostgreSQL user must traverse home to reach its own directories.
             settings.home.chmod(0o755)
     except OSError as exc:
-        raise StackError(home_error(settings, exc)) from None
+        raise StackError(_home_error(settings, exc)) from None
 
 
-def home_error(settings: Settings, exc: OSError) -> str:
+def _home_error(settings: Settings, exc: OSError) -> str:
     return describe_os_error(exc, settings.home)
 
 

@@ -244,6 +244,8 @@ def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
 
 
 def start_kafka(settings: Settings, echo: Echo) -> None:
+    """Start the broker (or wait for the one already starting) until it is healthy and hands out
+    producer ids."""
     starting = kafka_pid(settings)
     if starting is not None:
         # Ours but not healthy yet: an `up` stopped mid-start left it starting. A second
@@ -353,6 +355,8 @@ def kill_kafka(settings: Settings, pid: int, echo: Echo) -> None:
 
 
 def stop_kafka(settings: Settings, echo: Echo) -> None:
+    """Stop the broker with a controlled shutdown, SIGKILL if it hangs, and wait until its ports
+    close."""
     pid = kafka_pid(settings)
     if pid is None:
         echo("kafka: not running")

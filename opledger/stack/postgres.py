@@ -153,10 +153,10 @@ def _init_pg(settings: Settings, bindir: Path) -> None:
         conf = os.open(data / "postgresql.conf", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         with os.fdopen(conf, "a") as out:
             out.write("\ninclude_if_exists = 'opledger.conf'\n")
-    write_pg_owned(data / "opledger.conf", _pg_config_text(settings))
+    _write_pg_owned(data / "opledger.conf", _pg_config_text(settings))
 
 
-def write_pg_owned(path: Path, text: str) -> None:
+def _write_pg_owned(path: Path, text: str) -> None:
     """Replace ``path`` in the data directory with ``text``, owned by PG_USER.
 
     The data directory belongs to PG_USER, so as root anything in it may have been replaced by
@@ -233,6 +233,7 @@ def postgres_version(settings: Settings) -> str | None:
 
 
 def start_postgres(settings: Settings, echo: Echo) -> None:
+    """Install, initialise and start the server as needed, then ensure opledger's databases."""
     bindir = _ensure_pg_bindir(echo)
     _prepare_pg_paths(settings)
     _init_pg(settings, bindir)
@@ -270,6 +271,8 @@ def start_postgres(settings: Settings, echo: Echo) -> None:
 
 
 def ensure_database(settings: Settings) -> None:
+    """Wait until the server accepts connections, then create opledger's and the reference
+    consumer's databases if missing."""
     deadline = time.monotonic() + PG_START_TIMEOUT
     while postgres_version(settings) is None:
         if time.monotonic() > deadline:
@@ -307,6 +310,7 @@ def _ensure_consumer_database(settings: Settings) -> None:
 
 
 def stop_postgres(settings: Settings, echo: Echo) -> None:
+    """Stop the server with ``pg_ctl stop -m fast`` (sessions cut, data flushed)."""
     pid = postgres_pid(settings)
     bindir = find_pg_bindir()
     if pid is None or bindir is None:

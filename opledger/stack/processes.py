@@ -17,10 +17,13 @@ Echo = Callable[[str], None]
 
 
 def is_root() -> bool:
+    """Whether this process runs as root (PostgreSQL then runs as its own user)."""
     return os.geteuid() == 0
 
 
 def run(argv: Sequence[str], what: str, cwd: Path | None = None) -> str:
+    """Run ``argv`` to completion and return its stdout; a :class:`StackError` naming ``what``
+    and the end of its output when it fails."""
     result = subprocess.run(list(argv), capture_output=True, text=True, check=False, cwd=cwd)
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()[-3000:]
@@ -29,6 +32,7 @@ def run(argv: Sequence[str], what: str, cwd: Path | None = None) -> str:
 
 
 def port_open(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         if sock.connect_ex(("127.0.0.1", port)) != 0:

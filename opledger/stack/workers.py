@@ -88,7 +88,7 @@ def wait_workers_ready(
         if spec.ready_url is None:
             continue
         url = spec.ready_url(settings)
-        while not answers(url):
+        while not _answers(url):
             if time.monotonic() > deadline:
                 echo(
                     f"{spec.name}: not serving {url} after {timeout:.0f}s; the supervisor keeps "
@@ -103,7 +103,7 @@ def wait_workers_ready(
     return ready
 
 
-def answers(url: str) -> bool:
+def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:  # a fixed local URL
             return bool(response.status == 200)
@@ -225,7 +225,7 @@ def _wait_restarted(settings: Settings, name: str, old_pid: int, echo: Echo) -> 
         if (
             worker.get("state") == "running"
             and pid not in (None, old_pid)
-            and (spec.ready_url is None or answers(spec.ready_url(settings)))
+            and (spec.ready_url is None or _answers(spec.ready_url(settings)))
         ):
             echo(f"{name}: running again (pid {pid})")
             return

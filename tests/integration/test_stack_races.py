@@ -111,7 +111,7 @@ def _fake_provider_supervisor(settings: Settings, log: Path) -> Iterator[int]:
         )
     try:
         _wait(lambda: _worker(settings).get("state") == "running", 30, "fake provider started")
-        _wait(lambda: workers.answers(supervisor.fake_provider_health(settings)), 30, "serving")
+        _wait(lambda: workers._answers(supervisor.fake_provider_health(settings)), 30, "serving")
         yield process.pid
     finally:
         with contextlib.suppress(ProcessLookupError):

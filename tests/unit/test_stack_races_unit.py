@@ -86,7 +86,7 @@ def test_the_postgres_config_replaces_a_symlink_instead_of_writing_through_it(
     before = victim.stat()
     conf = tmp_path / "opledger.conf"
     conf.symlink_to(victim)
-    postgres.write_pg_owned(conf, "port = 1\n")
+    postgres._write_pg_owned(conf, "port = 1\n")
     assert victim.read_text() == "not yours\n"
     assert (victim.stat().st_uid, victim.stat().st_mode) == (before.st_uid, before.st_mode)
     assert not conf.is_symlink() and conf.read_text() == "port = 1\n"
