@@ -21,9 +21,9 @@ import psycopg
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.settings import Settings
 from ledger.tools import ProviderTerms
-from opledger import stack
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
+from opledger.stack import postgres
 from producers import RecordError, TransitionRecorder
 from tests.process_support import kill, start_cli, wait_http
 from tests.support import env_for, free_port, recovery_worker, wait_caught_up
@@ -135,9 +135,9 @@ def test_a_one_second_postgres_restart_during_calls_parks_nothing(
 def _restart_postgres(settings: Settings, down_s: float) -> None:
     """Stop PostgreSQL, leave it down for ``down_s``, start it: a restart as an upgrade makes."""
     quiet = lambda _line: None  # noqa: E731
-    stack._stop_postgres(settings, quiet)
+    postgres.stop_postgres(settings, quiet)
     time.sleep(down_s)
-    stack._start_postgres(settings, quiet)
+    postgres.start_postgres(settings, quiet)
 
 
 def _wait_finished(

@@ -30,6 +30,7 @@ import pytest
 
 from ledger.settings import Settings
 from opledger import stack, supervisor
+from opledger.stack import workers
 from tests.support import env_for, free_port, private_stack_settings
 
 #: The shared stack's ports: a test that would use one of them must not run.
@@ -110,7 +111,7 @@ def _fake_provider_supervisor(settings: Settings, log: Path) -> Iterator[int]:
         )
     try:
         _wait(lambda: _worker(settings).get("state") == "running", 30, "fake provider started")
-        _wait(lambda: stack._answers(supervisor.fake_provider_health(settings)), 30, "serving")
+        _wait(lambda: workers._answers(supervisor.fake_provider_health(settings)), 30, "serving")
         yield process.pid
     finally:
         with contextlib.suppress(ProcessLookupError):

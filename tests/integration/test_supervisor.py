@@ -20,6 +20,7 @@ from typing import Any
 
 from ledger.settings import Settings
 from opledger import stack, supervisor
+from opledger.stack.workers import workers_changed
 from opledger.workload import Workload
 from tests.support import env_for, free_port, produce, wait_caught_up
 
@@ -257,7 +258,7 @@ def test_up_sees_an_outdated_worker_list_and_restart_kills_one_worker(
         _wait(lambda: _serving(settings), 60, "projector serving /healthz")
         _wait(lambda: _worker(settings, "projector").get("pid"), 15, "status written")
         # What `stack up` restarts the supervisor for.
-        assert stack._workers_changed(settings) == "+recovery, +delivery, +fake-provider, +consumer"
+        assert workers_changed(settings) == "+recovery, +delivery, +fake-provider, +consumer"
         first = _worker(settings, "projector")["pid"]
         lines: list[str] = []
         assert stack.restart_worker(settings, "projector", lines.append, kill=True) == first

@@ -15,6 +15,7 @@ from confluent_kafka.admin import AdminClient
 
 from ledger.settings import Settings
 from opledger import stack, supervisor
+from opledger.stack import postgres, processes, workers
 
 
 def _settings(home: Path) -> Settings:
@@ -41,7 +42,7 @@ def test_a_status_file_of_any_shape_is_read_without_crashing(tmp_path: Path, tex
     assert all(isinstance(worker, dict) for worker in status.get("workers", {}).values())
     # What `status`, `up` and `restart` do with it.
     assert supervisor.status_lines(settings)[0].startswith("supervisor stopped")
-    assert stack._workers_changed(settings) == ""
+    assert workers.workers_changed(settings) == ""
     assert supervisor.worker_pid(settings, "projector", parent=1) is None
 
 
@@ -69,11 +70,11 @@ def test_a_long_log_is_read_from_its_end_only(tmp_path: Path) -> None:
     with log.open("w") as out:
         for number in range(200_000):
             out.write(f"line {number}\n")
-    assert stack._tail(log, 2) == "line 199998\nline 199999"
-    assert stack._tail(log, 0) == ""
+    assert processes.tail(log, 2) == "line 199998\nline 199999"
+    assert processes.tail(log, 0) == ""
     long_line = tmp_path / "long.log"
     long_line.write_text("x" * 50_000 + "\n")
-    assert stack._tail(long_line, 1).endswith(" [cut]")
+    assert processes.tail(long_line, 1).endswith(" [cut]")
 
 
 def test_the_postgres_config_replaces_a_symlink_instead_of_writing_through_it(
@@ -85,7 +86,7 @@ def test_the_postgres_config_replaces_a_symlink_instead_of_writing_through_it(
     before = victim.stat()
     conf = tmp_path / "opledger.conf"
     conf.symlink_to(victim)
-    stack._write_pg_owned(conf, "port = 1\n")
+    postgres._write_pg_owned(conf, "port = 1\n")
     assert victim.read_text() == "not yours\n"
     assert (victim.stat().st_uid, victim.stat().st_mode) == (before.st_uid, before.st_mode)
     assert not conf.is_symlink() and conf.read_text() == "port = 1\n"

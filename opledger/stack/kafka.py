@@ -1,0 +1,389 @@
+"""The local stack's KRaft Kafka broker on 127.0.0.1: its jars (resolved once by Maven from
+``kafka/pom.xml``), the ``server.properties`` it is started with, its start, readiness and
+stop. ``tests/cluster_support.py`` builds its three-node cluster from the same pieces."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from ledger.log import new_admin, new_producer
+from ledger.settings import Settings
+from ledger.topics import min_insync_replicas
+from opledger import supervisor
+from opledger.stack.errors import StackError
+from opledger.stack.home import (
+    jars_marker,
+    kafka_conf,
+    kafka_data,
+    kafka_pid_file,
+    libs_dir,
+    log_files,
+)
+from opledger.stack.processes import Echo, port_open, run, tail
+
+KAFKA_HEAP = "-Xmx1g"
+
+
+KAFKA_START_TIMEOUT = 120.0
+
+
+KAFKA_STOP_TIMEOUT = 30.0
+
+
+def _kafka_resources() -> Path:
+    # A checkout has kafka/ next to opledger/; a wheel force-includes it as opledger/kafka.
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[2] / "kafka", here.parents[1] / "kafka"):
+        if (candidate / "pom.xml").is_file():
+            return candidate
+    raise StackError("kafka/pom.xml not found next to the opledger package: reinstall opledger")
+
+
+def find_java(path: str | None = None) -> str:
+    """The ``java`` executable (17+); ``path`` replaces $PATH for the lookup (tests use it)."""
+    java = shutil.which("java", path=path)
+    if java is None:
+        raise StackError(
+            "java not found: install a JDK 17+ (apt-get install openjdk-17-jre-headless) "
+            "or put it on PATH"
+        )
+    version = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
+    match = re.search(r'version "(\d+)', version.stderr)
+    if match and int(match.group(1)) < 17:
+        raise StackError(
+            f"{java} is Java {match.group(1)} but Kafka needs 17+: install "
+            "openjdk-17-jre-headless or put a newer java first on PATH"
+        )
+    return java
+
+
+def find_mvn(path: str | None = None) -> str:
+    """The ``mvn`` executable; ``path`` replaces $PATH for the lookup (tests use it)."""
+    mvn = shutil.which("mvn", path=path)
+    if mvn is None:
+        raise StackError(
+            "mvn not found: install Maven (apt-get install maven) or put it on PATH; "
+            "it downloads the Kafka jars once"
+        )
+    return mvn
+
+
+def ensure_kafka_jars(settings: Settings, echo: Echo = print) -> Path:
+    """Resolve the broker's jars with Maven once per Kafka version; return the libs dir."""
+    libs, marker = libs_dir(settings), jars_marker(settings)
+    if marker.is_file() and libs.is_dir():
+        return libs
+    mvn = find_mvn()
+    work = libs.parent
+    work.mkdir(parents=True, exist_ok=True)
+    # Maven writes target/ next to the pom: give it a copy in the cache, not the source tree.
+    shutil.copy2(_kafka_resources() / "pom.xml", work / "pom.xml")
+    partial = work / "libs.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    echo(f"downloading Kafka {settings.kafka_version} jars with Maven (once) into {libs}")
+    run(
+        [
+            mvn,
+            "-q",
+            "-B",
+            "-Dstyle.color=never",
+            "-f",
+            str(work / "pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={partial}",
+            "-DincludeScope=runtime",
+            f"-Dkafka.version={settings.kafka_version}",
+        ],
+        "mvn dependency:copy-dependencies",
+        cwd=work,
+    )
+    shutil.rmtree(libs, ignore_errors=True)
+    partial.rename(libs)
+    marker.write_text(f"{len(list(libs.glob('*.jar')))} jars\n")
+    return libs
+
+
+def kraft_properties(
+    *,
+    node_id: int,
+    port: int,
+    controller_port: int,
+    voters: str,
+    log_dir: Path,
+    replication: int = 1,
+) -> dict[str, str]:
+    """``server.properties`` of one combined broker and controller on 127.0.0.1: the local
+    stack's single node, or one of the nodes of ``tests/cluster_support.py``'s cluster.
+    ``voters`` is ``controller.quorum.voters`` (``id@host:port,...``); ``replication`` the
+    replicas of the broker's internal topics (consumer offsets, transaction state)."""
+    return {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "log.dirs": str(log_dir),
+        "num.partitions": "1",
+        "offsets.topic.replication.factor": str(replication),
+        "transaction.state.log.replication.factor": str(replication),
+        "transaction.state.log.min.isr": str(min_insync_replicas(replication)),
+        # Topics are created explicitly (ledger.topics) with their partitions and retention.
+        "auto.create.topics.enable": "false",
+        "group.initial.rebalance.delay.ms": "0",
+    }
+
+
+def write_properties(path: Path, properties: Mapping[str, str]) -> Path:
+    """``properties`` as a Java properties file at ``path``."""
+    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    return path
+
+
+def _write_kafka_config(settings: Settings) -> Path:
+    conf = kafka_conf(settings)
+    conf.mkdir(parents=True, exist_ok=True)
+    c = settings.kafka_controller_port
+    properties = kraft_properties(
+        node_id=1,
+        port=settings.kafka_port,
+        controller_port=c,
+        voters=f"1@127.0.0.1:{c}",
+        log_dir=kafka_data(settings),
+    )
+    return write_properties(conf / "server.properties", properties)
+
+
+def random_cluster_id() -> str:
+    """A new KRaft cluster id, as ``kafka-storage random-uuid`` prints one, minus a JVM."""
+    # Kafka's Uuid.randomUuid(): url-safe base64 of 16 random bytes, never starting with "-"
+    # (it would read as a command-line flag).
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+def format_kafka_storage(java: str, libs: Path, config: Path, cluster_id: str) -> None:
+    """``kafka-storage format``: the log dirs of the node ``config`` describes, for
+    ``cluster_id`` (every node of one cluster gets the same id)."""
+    run(
+        [
+            java,
+            "-cp",
+            f"{libs}/*",
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(config),
+        ],
+        "kafka storage format",
+    )
+
+
+def _format_kafka(settings: Settings, java: str, libs: Path, config: Path) -> None:
+    if (kafka_data(settings) / "meta.properties").is_file():
+        return
+    format_kafka_storage(java, libs, config, random_cluster_id())
+
+
+def kafka_command(
+    java: str, libs: Path, config: Path, log: Path, heap: str = KAFKA_HEAP
+) -> list[str]:
+    """The command line of a broker started from ``libs`` with ``config``, logging to ``log``
+    (quiet but for start and stop: ``kafka/log4j2.yaml``)."""
+    return [
+        java,
+        heap,
+        "-Xms256m",
+        "-XX:+UseG1GC",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={_kafka_resources() / 'log4j2.yaml'}",
+        f"-Dopledger.kafka.log={log}",
+        "-cp",
+        f"{libs}/*",
+        "kafka.Kafka",
+        str(config),
+    ]
+
+
+def kafka_pid(settings: Settings) -> int | None:
+    """Pid of the broker this stack started, if it is still alive (the broker runs in home:
+    a recycled pid or another home's broker is not ours)."""
+    hint = supervisor.read_pid(kafka_pid_file(settings))
+    return supervisor.find_owned(b"kafka.Kafka", settings.home, hint)
+
+
+def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
+    """Whether a broker answers a metadata request on ``settings.bootstrap_servers``."""
+    if not settings.kafka_bootstrap and not port_open(settings.kafka_port):
+        return False
+    # log_level 0: librdkafka would otherwise print connection errors while we poll.
+    admin = new_admin(settings, client_id="opledger-stack", overrides={"log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout)
+    except Exception:  # any failure here just means "not healthy yet"
+        return False
+    return True
+
+
+def start_kafka(settings: Settings, echo: Echo) -> None:
+    """Start the broker (or wait for the one already starting) until it is healthy and hands out
+    producer ids."""
+    starting = kafka_pid(settings)
+    if starting is not None:
+        # Ours but not healthy yet: an `up` stopped mid-start left it starting. A second
+        # broker on the same data would fight it for the ports and the log dirs.
+        kafka_pid_file(settings).write_text(f"{starting}\n")
+        echo(f"kafka: waiting for the broker already starting (pid {starting})")
+        _wait_kafka(settings, starting)
+        _wait_producer_ids(settings)
+        return
+    java = find_java()
+    libs = ensure_kafka_jars(settings, echo)
+    for port in (settings.kafka_port, settings.kafka_controller_port):
+        if port_open(port):
+            raise StackError(
+                f"127.0.0.1:{port} is in use by a process opledger did not start: stop it "
+                "or choose other ports with OPLEDGER_KAFKA_PORT / OPLEDGER_KAFKA_CONTROLLER_PORT"
+            )
+    config = _write_kafka_config(settings)
+    _format_kafka(settings, java, libs, config)
+    logs = log_files(settings)
+    argv = kafka_command(java, libs, config, logs["kafka"])
+    with logs["kafka-stdout"].open("ab") as out:
+        # A session of its own: the broker must outlive this command and ignore its Ctrl-C.
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=settings.home,
+        )
+    kafka_pid_file(settings).write_text(f"{process.pid}\n")
+    echo(f"kafka: starting (pid {process.pid}) on 127.0.0.1:{settings.kafka_port}")
+    _wait_kafka(settings, process.pid, process)
+    _wait_producer_ids(settings)
+
+
+def _wait_kafka(
+    settings: Settings, pid: int, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    deadline = time.monotonic() + KAFKA_START_TIMEOUT
+    while time.monotonic() < deadline:
+        exited = process.poll() if process is not None else None
+        if exited is not None or not supervisor.alive(pid):
+            raise StackError(
+                f"kafka exited (code {exited if exited is not None else '?'}) during start-up; "
+                "last log lines:\n" + _kafka_log_tails(settings)
+            )
+        if kafka_healthy(settings, timeout=2.0):
+            return
+        time.sleep(0.5)
+    raise StackError(
+        f"kafka not healthy after {KAFKA_START_TIMEOUT:.0f}s (pid {pid}); "
+        "last log lines:\n" + _kafka_log_tails(settings)
+    )
+
+
+def _wait_producer_ids(settings: Settings, timeout: float = 60.0) -> None:
+    """Wait until the broker hands out idempotent-producer ids.
+
+    Right after start the broker answers metadata while its transaction coordinator is still
+    loading; the first idempotent producers (every SDK client) would then log "Coordinator load
+    in progress" warnings and retry. An idempotent producer that writes nothing, watched through
+    librdkafka's statistics, tells when an id has been assigned.
+    """
+    assigned = threading.Event()
+
+    def on_stats(raw: str) -> None:
+        if json.loads(raw).get("eos", {}).get("idemp_state") == "Assigned":
+            assigned.set()
+
+    probe = new_producer(
+        settings,
+        client_id="opledger-stack-probe",
+        overrides={
+            "statistics.interval.ms": 100,
+            "stats_cb": on_stats,
+            "log_level": 0,  # the retries this waits out are expected; keep them quiet
+        },
+    )
+    deadline = time.monotonic() + timeout
+    while not assigned.is_set():
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"kafka did not assign a producer id within {timeout:.0f}s; last log lines:\n"
+                + _kafka_log_tails(settings)
+            )
+        probe.poll(0.1)
+    probe.flush(1)
+
+
+def _kafka_log_tails(settings: Settings) -> str:
+    logs = log_files(settings)
+    return tail(logs["kafka"]) + "\n--- stdout ---\n" + tail(logs["kafka-stdout"], 15)
+
+
+def kill_kafka(settings: Settings, pid: int, echo: Echo) -> None:
+    """SIGKILL the broker ``pid``, as a crash would stop it (no controlled shutdown), and wait
+    until it and its listeners are gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    while supervisor.alive(pid):
+        time.sleep(0.05)
+    _wait_ports_closed(settings)
+    kafka_pid_file(settings).unlink(missing_ok=True)
+    echo(f"kafka: killed (pid {pid})")
+
+
+def stop_kafka(settings: Settings, echo: Echo) -> None:
+    """Stop the broker with a controlled shutdown, SIGKILL if it hangs, and wait until its ports
+    close."""
+    pid = kafka_pid(settings)
+    if pid is None:
+        echo("kafka: not running")
+        kafka_pid_file(settings).unlink(missing_ok=True)
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    # SIGTERM triggers a controlled shutdown that flushes the logs; give it a while.
+    deadline = time.monotonic() + KAFKA_STOP_TIMEOUT
+    while time.monotonic() < deadline and supervisor.alive(pid):
+        time.sleep(0.2)
+    if supervisor.alive(pid):
+        echo(f"kafka: no exit {KAFKA_STOP_TIMEOUT:.0f}s after SIGTERM, sending SIGKILL")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while supervisor.alive(pid):
+            time.sleep(0.1)
+    _wait_ports_closed(settings)
+    kafka_pid_file(settings).unlink(missing_ok=True)
+    echo(f"kafka: stopped (pid {pid})")
+
+
+def _wait_ports_closed(settings: Settings, timeout: float = 10.0) -> None:
+    """Until the broker's ports no longer answer: a killed JVM's main thread is reaped (a
+    zombie) while its other threads still close its sockets, so for a moment after it looks
+    dead its listener still accepts, and a start would take that for someone else's broker."""
+    deadline = time.monotonic() + timeout
+    ports = (settings.kafka_port, settings.kafka_controller_port)
+    while any(port_open(port) for port in ports) and time.monotonic() < deadline:
+        time.sleep(0.05)
