@@ -45,7 +45,8 @@ from ledger.results import MAX_RESULT_BYTES, ResultStore
 from producers.aio import AsyncTransitionRecorder
 from producers.execution import Execution
 from producers.operation import OperationState, TrackedOperation
-from producers.recorder import TransitionRecorder, clean_error
+from producers.planner import clean_error
+from producers.recorder import TransitionRecorder
 
 __all__ = [
     "DEFAULT_DELIVERY_TIMEOUT_S",

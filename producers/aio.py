@@ -37,14 +37,8 @@ from ledger.tools import CallOutcome, ContactLost, Provider, is_async
 from producers import execution
 from producers.execution import Execution
 from producers.operation import TrackedOperation, as_aware
-from producers.recorder import (
-    CLOSE_WAIT_S,
-    Plan,
-    RecorderCore,
-    RecorderOptions,
-    clean_error,
-    guarded_async,
-)
+from producers.planner import Plan, clean_error
+from producers.recorder import CLOSE_WAIT_S, RecorderCore, RecorderOptions, guarded_async
 from producers.steps import (
     Blocking,
     Call,
@@ -106,7 +100,12 @@ class AsyncTransitionRecorder(RecorderCore):
         the call, or no answer within the tool's call timeout) is UNKNOWN, returned."""
         return await self._drive(
             execution.execute(
-                self, tenant_id, actor_id, tool_name, arguments, operation_id=operation_id
+                self.collaborators,
+                tenant_id,
+                actor_id,
+                tool_name,
+                arguments,
+                operation_id=operation_id,
             )
         )
 
@@ -124,8 +123,14 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.intent` (the lease and request are stored off the event
         loop, while the intent's acknowledgement is awaited when the id is a fresh one)."""
         return await self._drive(
-            self._intent_steps(
-                tenant_id, actor_id, tool_name, arguments, operation_id, lease_ttl=lease_ttl
+            execution.intent_steps(
+                self.collaborators,
+                tenant_id,
+                actor_id,
+                tool_name,
+                arguments,
+                operation_id=operation_id,
+                lease_ttl=lease_ttl,
             )
         )
 
@@ -140,7 +145,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.dispatched`."""
         return await self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.DISPATCHED, actor_id, provider_ref=provider_ref
             ),
         )
@@ -158,7 +163,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.succeeded`."""
         return await self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle,
                 ExecutionState.SUCCEEDED,
                 actor_id,
@@ -175,7 +180,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.failed`."""
         return await self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.FAILED, actor_id, error=clean_error(error)
             ),
         )
@@ -187,7 +192,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.unknown`."""
         return await self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.UNKNOWN, actor_id, error=clean_error(error)
             ),
         )
@@ -199,7 +204,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.delivery_pending`."""
         return await self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle, destination, DeliveryState.PENDING, actor_id, attempt=0
             ),
         )
@@ -211,7 +216,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.delivery_sent`."""
         return await self._run(
             [handle],
-            lambda: self._plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
+            lambda: self._planner.plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
         )
 
     @guarded_async
@@ -221,7 +226,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.delivery_acked`."""
         return await self._run(
             [handle],
-            lambda: self._plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
+            lambda: self._planner.plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
         )
 
     @guarded_async
@@ -240,7 +245,7 @@ class AsyncTransitionRecorder(RecorderCore):
             raise IllegalTransitionError(f"no delivery to {destination} to retry; nothing was sent")
         return await self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle,
                 destination,
                 DeliveryState.PENDING,
@@ -262,7 +267,7 @@ class AsyncTransitionRecorder(RecorderCore):
         """See :meth:`TransitionRecorder.delivery_dead_lettered`."""
         return await self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle, destination, DeliveryState.DEAD_LETTERED, actor_id, error=clean_error(error)
             ),
         )
@@ -276,7 +281,7 @@ class AsyncTransitionRecorder(RecorderCore):
         touched: dict[str, TrackedOperation] = {}
 
         def plan() -> Plan | None:
-            planned = self._plan_append(events, handles)
+            planned = self._planner.plan_append(events, handles)
             if planned is not None:
                 touched.update((p.handle.operation_id, p.handle) for p in planned.parts)
             return planned
@@ -287,7 +292,7 @@ class AsyncTransitionRecorder(RecorderCore):
     @guarded_async
     async def resend(self, handle: TrackedOperation) -> bool:
         """See :meth:`TransitionRecorder.resend`."""
-        return await self._run([handle], lambda: self._plan_resend(handle))
+        return await self._run([handle], lambda: self._planner.plan_resend(handle))
 
     async def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Refuse new calls, let the running ones finish (up to ``timeout`` seconds), then flush

@@ -14,9 +14,12 @@ already written, so it is refused.
 
 :class:`TransitionRecorder` is safe to share between threads (one producer and one connection
 pool serve them all; each call waits only for its own acknowledgement). ``producers.aio`` has the
-asyncio twin; both share everything here but the waiting: ``connect``, the planning code, and
-the steps of an append and of ``intent`` (``producers.steps``; ``execute``'s are in
-``producers.execution``), which each recorder performs its own way.
+asyncio twin; both share everything here but the waiting: ``connect``, the planning code
+(``producers.planner``), and the steps of an append (``producers.steps``; ``intent``'s and
+``execute``'s are in ``producers.execution``), which each recorder performs its own way.
+
+The imports run one way: this module imports ``producers.execution``, which imports the planner,
+the steps and the handles; none of those imports a recorder.
 """
 
 from __future__ import annotations
@@ -33,49 +36,32 @@ from collections.abc import (
     Coroutine,
     Iterable,
     Iterator,
-    Mapping,
     Sequence,
 )
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, Self, TypedDict, TypeVar, cast
 
-from pydantic import ValidationError
-
 from ledger.codec import Codec, default_codec
-from ledger.domain import ids
 from ledger.domain.events import (
-    MAX_ERROR_LENGTH,
-    DeliveryTransitioned,
-    ExecutionTransitioned,
     OperationEvent,
-    OwnershipTaken,
-    ReconciliationDecided,
-    Transition,
 )
 from ledger.domain.policy import PolicyDecision, PolicyRequest
 from ledger.domain.states import (
-    DELIVERY_TRANSITIONS,
-    EXECUTION_TRANSITIONS,
     DeliveryState,
     ExecutionState,
 )
 from ledger.entropy import entropy as entropy_pool
 from ledger.errors import (
-    ConflictError,
     DeliveryError,
     ForkedRecorderError,
     IllegalTransitionError,
-    InDoubtError,
-    InvalidTransitionError,
-    LeaseLostError,
     RecorderClosedError,
     RecordError,
 )
 from ledger.faults import fault_point
-from ledger.history import HistoryReader, Snapshot
-from ledger.leases import MAX_REQUEST_BYTES, LeaseStore, process_identity
+from ledger.history import HistoryReader
+from ledger.leases import LeaseStore, process_identity
 from ledger.log import (
     DEFAULT_DELIVERY_TIMEOUT_S,
     KafkaTransport,
@@ -90,21 +76,21 @@ from ledger.metrics import Metrics
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyFreshness, PolicyStore
 from ledger.results import ResultStore
-from ledger.secrets import scrub
 from ledger.settings import Settings
 from ledger.tools import AsyncProvider, Provider, is_async
 from producers import execution
-from producers.execution import Execution
-from producers.operation import (
-    InDoubt,
-    OperationState,
-    TrackedOperation,
-    advance,
-    as_aware,
-    delivery_result_ref,
-    next_delivery_attempt,
-    next_execution_attempt,
+from producers.execution import (
+    Collaborators,
+    Execution,
+    PolicyCheck,
+    RunningExecutions,
+    SharedHistory,
 )
+from producers.operation import (
+    TrackedOperation,
+    as_aware,
+)
+from producers.planner import Clock, Entropy, Plan, Planner, clean_error
 from producers.steps import (
     AlongsideError,
     Blocking,
@@ -120,18 +106,9 @@ from producers.steps import (
 
 log = logging.getLogger(__name__)
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-Clock = Callable[[], int]
-
 
 class Closeable(Protocol):
     def close(self) -> None: ...
-
-
-"""Nanoseconds since the epoch (``time.time_ns``)."""
-Entropy = Callable[[int], bytes]
-"""``n`` random bytes (``ledger.entropy``: the kernel's, a block at a time)."""
 
 
 def _policy_check(pool: Any, settings: Settings) -> tuple[PolicyCheck, PolicyFreshness]:
@@ -168,38 +145,6 @@ class RecorderOptions(TypedDict, total=False):
 
 #: How long a lease lasts when the caller does not say (``execute`` sizes it from the tool).
 DEFAULT_LEASE_TTL = timedelta(seconds=60)
-#: A new operation's first lease token.
-FIRST_TOKEN = 1
-
-PolicyCheck = Callable[[PolicyRequest], PolicyDecision]
-"""Evaluates policy now (``ledger.policy_store.PolicyStore.evaluate``)."""
-
-
-def canonical_request(tool_name: str, arguments: Any) -> tuple[bytes, str]:
-    """The stored request (canonical JSON of the arguments) and its hash, or a clear error."""
-    try:
-        request = ids.canonical_json(arguments)
-        request_hash = ids.request_hash(tool_name, arguments)
-    except RecursionError:
-        # Not a ValueError: it would escape as a crash of the SDK rather than a refusal.
-        raise InvalidTransitionError(
-            "arguments are nested too deeply to be stored as JSON: flatten them; nothing was sent"
-        ) from None
-    except (TypeError, ValueError) as exc:
-        raise InvalidTransitionError(
-            f"arguments are not canonical JSON ({exc}): pass JSON-serialisable values "
-            "without NaN or infinity; nothing was sent"
-        ) from exc
-    if len(request) > MAX_REQUEST_BYTES:
-        # Checked here, not only by the lease store: for a fresh id the lease is taken while the
-        # intent is in flight, so a refusal there would come after the intent was written.
-        raise InvalidTransitionError(
-            f"arguments are {len(request)} bytes as JSON, over the {MAX_REQUEST_BYTES} a request "
-            "may be: pass a reference to large content instead; nothing was sent"
-        )
-    return request, request_hash
-
-
 # The recorders whose calls the current thread or task is inside: a call made from within one
 # (a tool that records a nested tool call, a cancel's own append) belongs to it, so it is
 # neither refused by a close() that waits for it nor counted as a call close() must wait for.
@@ -243,39 +188,12 @@ def guarded_async(
     return call
 
 
-def clean_error(error: str | BaseException) -> str:
-    """Error text safe to put in an event: credentials redacted (detect-secrets and the
-    contract's own shapes), bounded length (cut without splitting a placeholder)."""
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return scrub(text, max_length=MAX_ERROR_LENGTH)
-
-
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """What one call appends for one operation."""
-
-    handle: TrackedOperation
-    pending: InDoubt
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Everything one call will do, decided before any I/O: the payload to store first (tenant,
-    bytes, content type), then the records to append, per handle."""
-
-    parts: tuple[_Part, ...]
-    payload: tuple[str, bytes, str] | None = None
-
-    @property
-    def records(self) -> list[OutgoingRecord]:
-        return [record for part in self.parts for record in part.pending.records]
-
-
 class RecorderCore:
-    """What the threaded and the asyncio recorder share: what they were built with, planning
-    (building events, folding them onto handles, settling handles after the I/O succeeded or
-    failed) and the steps of multi-step calls, which hand their I/O to the recorder
-    (``producers.steps``). Only the recorders wait for anything."""
+    """What the threaded and the asyncio recorder share: what they were built with (the
+    :class:`~producers.execution.Collaborators` of ``execute``'s steps), their planner
+    (``producers.planner``), the steps of an append and the settling of handles after its I/O
+    succeeded or failed; the steps hand their I/O to the recorder (``producers.steps``). Only
+    the recorders wait for anything."""
 
     #: whether this kind of recorder can await an asyncio provider's call
     awaits_providers: ClassVar[bool] = False
@@ -304,21 +222,26 @@ class RecorderCore:
         self._splits = isinstance(transport, SplitTransport)
         self._owned = list(owns)
         self._settings = settings
-        self._clock_ns = clock_ns
-        self._entropy = entropy
-        self._records = RecordBuilder(LogTopics.of(settings), codec or default_codec(), "sdk")
+        self._planner = Planner(
+            RecordBuilder(LogTopics.of(settings), codec or default_codec(), "sdk"),
+            clock_ns,
+            entropy,
+        )
         self._metrics = metrics
         self._execution_topic = settings.execution_topic
-        self._results = results
-        self._leases = leases
-        self._history = history
-        self._providers = {p.tool_name: p for p in providers}
-        self._policy = policy
-        self._lease_ttl = lease_ttl
-        # The history reader's one consumer reads one operation's tail at a time.
-        self._history_lock = threading.Lock()
-        self._executing_ids: set[str] = set()
-        self._executing_lock = threading.Lock()
+        #: What ``execute``'s steps and the ownership calls work with (``producers.execution``);
+        #: a field replaced here is used from the next read on.
+        self.collaborators = Collaborators(
+            planner=self._planner,
+            transport=transport,
+            history=SharedHistory(history),
+            running=RunningExecutions(),
+            providers={p.tool_name: p for p in providers},
+            lease_ttl=lease_ttl,
+            leases=leases,
+            results=results,
+            policy=policy,
+        )
         # librdkafka's threads and psycopg's sockets do not survive a fork: a child must not
         # touch them (decision 020).
         self._pid = os.getpid()
@@ -433,330 +356,7 @@ class RecorderCore:
 
     def new_operation_id(self) -> str:
         """A fresh ``op_`` ULID from this recorder's clock and entropy."""
-        return ids.operation_id(self._clock_ns() // 1_000_000, self._entropy(10))
-
-    # -- steps shared by both recorders (producers/steps.py) -----------------------------------
-
-    def _intent_steps(
-        self,
-        tenant_id: str,
-        actor_id: str,
-        tool_name: str,
-        arguments: Any,
-        operation_id: str | None,
-        *,
-        lease_ttl: timedelta | None,
-        fresh: bool | None = None,
-        alongside: Callable[[], None] | None = None,
-    ) -> Steps[TrackedOperation]:
-        """``intent`` (see :meth:`TransitionRecorder.intent`). ``fresh``: the id was made by this
-        recorder (by default, when none is given); ``alongside``: blocking work to do while the
-        intent's acknowledgement is in flight (``execute``'s policy read), after the lease."""
-        if fresh is None:
-            fresh = operation_id is None
-        handle = TrackedOperation.unknown(
-            self.new_operation_id() if operation_id is None else operation_id
-        )
-        request, request_hash = canonical_request(tool_name, arguments)
-        # Validated before the lease is taken: nothing is stored for an intent that cannot be.
-        event = self._intent_event(
-            handle.operation_id,
-            tenant_id=tenant_id,
-            actor_id=actor_id,
-            tool_name=tool_name,
-            request_hash=request_hash,
-            lease_token=None if self._leases is None else FIRST_TOKEN,
-        )
-        leases = self._leases
-
-        def plan() -> Plan | None:
-            return self._plan_events(handle, [event])
-
-        if leases is None:
-            yield Record(handle, plan, alongside)
-            return handle
-        ttl = self._lease_ttl if lease_ttl is None else lease_ttl
-
-        def take_lease() -> None:
-            handle.lease = leases.create(
-                handle.operation_id,
-                tenant_id,
-                ttl,
-                tool_name=tool_name,
-                request_hash=request_hash,
-                request=request,
-            )
-
-        if not fresh:
-            # The caller's id may be someone else's: nothing is appended before it is ours.
-            yield Blocking(take_lease)
-            yield Record(handle, plan, alongside)
-            return handle
-
-        def take_lease_then_alongside() -> None:
-            take_lease()
-            if alongside is not None:
-                alongside()
-
-        # An id this recorder just made is nobody else's, so the lease's commit and the
-        # intent's acknowledgement are waited for together, not one after the other. If the
-        # lease fails, its error is raised and nothing more is appended: the log may then hold
-        # this intent (token 1) with no lease and no stored request, which the recovery worker
-        # takes over after a grace (OPLEDGER_RECOVERY_UNLEASED_GRACE_S) and parks, never
-        # dispatches. The error says so.
-        try:
-            yield Record(handle, plan, take_lease_then_alongside)
-        except RecordError as exc:
-            if not isinstance(exc, DeliveryError):  # the caller resends those: in doubt
-                execution.told(exc, handle, leased=handle.lease is not None)
-            raise
-        return handle
-
-    def _step(
-        self,
-        handle: TrackedOperation,
-        state: ExecutionState,
-        *,
-        provider_ref: str | None = None,
-        result: bytes | None = None,
-        content_type: str = "application/octet-stream",
-        error: str | BaseException | None = None,
-    ) -> Callable[[], Plan | None]:
-        """The planner of one execution step on ``handle``, as the public methods plan it."""
-        cleaned = None if error is None else clean_error(error)
-        return lambda: self._plan_execution(
-            handle,
-            state,
-            None,
-            provider_ref=provider_ref,
-            result=result,
-            content_type=content_type,
-            error=cleaned,
-        )
-
-    @contextlib.contextmanager
-    def _executing(self, operation_id: str) -> Iterator[None]:
-        """Refuse a second ``execute`` of ``operation_id`` while one runs in this recorder: the
-        lease (one owner per recorder) cannot tell two calls of one recorder apart."""
-        with self._executing_lock:
-            if operation_id in self._executing_ids:
-                raise LeaseLostError(
-                    f"{operation_id} is being executed by another call of this recorder; "
-                    "nothing was recorded"
-                )
-            self._executing_ids.add(operation_id)
-        try:
-            yield
-        finally:
-            with self._executing_lock:
-                self._executing_ids.discard(operation_id)
-
-    def _load_history(
-        self,
-        operations: Iterable[tuple[str, str]],
-        *,
-        upto: Mapping[tuple[str, int], int] | None = None,
-    ) -> dict[str, Snapshot]:
-        """``HistoryReader.load``, one read at a time (blocking: Kafka and PostgreSQL)."""
-        if self._history is None:
-            raise RecordError("this recorder cannot read history (connect() gives it a reader)")
-        with self._history_lock:
-            return self._history.load(operations, upto=upto)
-
-    @staticmethod
-    def _request_hash(tool_name: str, arguments: Any) -> str:
-        return canonical_request(tool_name, arguments)[1]
-
-    # -- planners (called with the handles' locks held) ---------------------------------------
-
-    def _intent_event(
-        self,
-        operation_id: str,
-        *,
-        tenant_id: str,
-        actor_id: str,
-        tool_name: str,
-        request_hash: str,
-        lease_token: int | None,
-    ) -> Transition:
-        return self._build(
-            ExecutionTransitioned,
-            operation_id=operation_id,
-            tenant_id=tenant_id,
-            actor_id=actor_id,
-            attempt=0,
-            state=ExecutionState.INTENT_RECORDED,
-            tool_name=tool_name,
-            request_hash=request_hash,
-            lease_token=lease_token,
-        )
-
-    def _plan_execution(
-        self,
-        handle: TrackedOperation,
-        state: ExecutionState,
-        actor_id: str | None,
-        *,
-        provider_ref: str | None = None,
-        result: bytes | str | None = None,
-        error: str | None = None,
-        content_type: str = "application/octet-stream",
-        decision_id: str | None = None,
-    ) -> Plan | None:
-        _require_settled(handle)
-        current = handle.require_execution()
-        _require_lease(handle)
-        if state is not current.state and state not in EXECUTION_TRANSITIONS[current.state]:
-            # Checked before the event is built: the event model would otherwise refuse the
-            # attempt number first, with a less useful message than the table's.
-            raise IllegalTransitionError(
-                f"illegal execution transition {current.state} -> {state}; nothing was sent"
-            )
-        payload: tuple[str, bytes, str] | None = None
-        result_ref: str | None = None
-        if isinstance(result, bytes | bytearray | memoryview):
-            payload = (current.tenant_id, bytes(result), content_type)
-            result_ref = ids.content_ref(bytes(result))
-        elif result is not None:
-            result_ref = result
-        if state is current.state and next_execution_attempt(current, state) == current.attempt:
-            # This handle already recorded this very step: a repeated call sends nothing (a new
-            # event for it would be a conflict with the one on the topic).
-            if state is ExecutionState.SUCCEEDED and result_ref != current.result_ref:
-                raise ConflictError(
-                    f"{current.operation_id} already SUCCEEDED with {current.result_ref}; "
-                    "nothing was sent"
-                )
-            return None
-        event = self._build(
-            ExecutionTransitioned,
-            operation_id=current.operation_id,
-            tenant_id=current.tenant_id,
-            actor_id=actor_id or current.actor_id,
-            attempt=next_execution_attempt(current, state),
-            state=state,
-            tool_name=current.tool_name,
-            request_hash=current.request_hash,
-            provider_ref=provider_ref,
-            result_ref=result_ref,
-            error=error,
-            lease_token=None if handle.lease is None else handle.lease.token,
-            decision_id=decision_id,
-        )
-        plan = self._plan_events(handle, [event])
-        if plan is None:
-            return None
-        return Plan(plan.parts, payload)
-
-    def _plan_delivery(
-        self,
-        handle: TrackedOperation,
-        destination: str,
-        state: DeliveryState,
-        actor_id: str | None,
-        *,
-        attempt: int | None = None,
-        next_attempt_at: datetime | None = None,
-        error: str | None = None,
-    ) -> Plan | None:
-        _require_settled(handle)
-        snapshot = handle.state
-        current = snapshot.deliveries.get(destination)
-        if (
-            current is not None
-            and state is not current.state
-            and state not in DELIVERY_TRANSITIONS[current.state]
-        ):
-            raise IllegalTransitionError(
-                f"illegal delivery transition {current.state} -> {state} ({destination}); "
-                "nothing was sent"
-            )
-        attempt_now = next_delivery_attempt(current, state) if attempt is None else attempt
-        if current is not None and state is current.state and attempt_now == current.attempts:
-            return None  # this step is already recorded by this handle: nothing to send
-        execution = snapshot.execution
-        if execution is None:
-            raise IllegalTransitionError(
-                f"{handle.operation_id}: its execution is not known to this handle, so a "
-                f"delivery to {destination} cannot be checked against it; record or load the "
-                "operation first. Nothing was sent"
-            )
-        event = self._build(
-            DeliveryTransitioned,
-            operation_id=handle.operation_id,
-            tenant_id=execution.tenant_id,
-            actor_id=actor_id or execution.actor_id,
-            attempt=attempt_now,
-            destination=destination,
-            state=state,
-            result_ref=delivery_result_ref(snapshot),
-            next_attempt_at=next_attempt_at,
-            error=error,
-        )
-        return self._plan_events(handle, [event])
-
-    def _plan_events(self, handle: TrackedOperation, events: Sequence[Transition]) -> Plan | None:
-        """Fold ``events`` onto ``handle``'s state; None when every one is a repeat."""
-        _require_settled(handle)
-        state = handle.state
-        sent: list[Transition] = []
-        for event in events:
-            advanced = advance(state, event)
-            if advanced is not None:
-                state = advanced
-                sent.append(event)
-        if not sent:
-            return None
-        records = tuple(self._outgoing(e) for e in sent)
-        return Plan((_Part(handle, InDoubt(tuple(sent), records, state)),))
-
-    def _plan_append(
-        self, events: Sequence[OperationEvent], handles: dict[str, TrackedOperation]
-    ) -> Plan | None:
-        working: dict[str, OperationState] = {}
-        sent: dict[str, list[OperationEvent]] = {}
-        for index, given in enumerate(events):
-            event = given
-            if not isinstance(event, _APPENDABLE):
-                raise InvalidTransitionError(
-                    f"event {index} is a {type(event).__name__}, not a transition; nothing was sent"
-                )
-            operation_id = event.operation_id
-            handle = handles.get(operation_id)
-            if handle is not None and handle.lease is not None:
-                _require_lease(handle)
-                if isinstance(event, ExecutionTransitioned) and event.lease_token is None:
-                    # Written under the handle's lease: say so, or it would be fenced.
-                    event = event.model_copy(update={"lease_token": handle.lease.token})
-            state = working.get(operation_id)
-            if state is None:
-                if handle is not None:
-                    _require_settled(handle)
-                state = handle.state if handle else OperationState(operation_id)
-            try:
-                advanced = advance(state, event)
-            except IllegalTransitionError as exc:
-                raise IllegalTransitionError(
-                    f"event {index} ({event.event_id}): {exc.reason}; nothing was sent"
-                ) from None
-            if advanced is not None:
-                working[operation_id] = advanced
-                sent.setdefault(operation_id, []).append(event)
-        if not sent:
-            return None
-        parts = []
-        for operation_id, group in sent.items():
-            handle = handles.get(operation_id) or TrackedOperation.unknown(operation_id)
-            records = tuple(self._outgoing(e) for e in group)
-            parts.append(_Part(handle, InDoubt(tuple(group), records, working[operation_id])))
-        return Plan(tuple(parts))
-
-    @staticmethod
-    def _plan_resend(handle: TrackedOperation) -> Plan | None:
-        pending = handle.in_doubt
-        if pending is None:
-            return None
-        return Plan((_Part(handle, pending),))
+        return self._planner.new_operation_id()
 
     # -- appending (the handles' locks held) ---------------------------------------------------
 
@@ -773,7 +373,7 @@ class RecorderCore:
             return False
         payload = plan.payload
         if payload is not None:
-            results = self._results
+            results = self.collaborators.results
             if results is None:
                 raise RecordError(
                     "succeeded(bytes) needs a result store: connect with with_results=True "
@@ -859,64 +459,6 @@ class RecorderCore:
         if len(records) - executions:
             self._metrics.records_appended.labels(machine="delivery").inc(len(records) - executions)
 
-    # -- building ------------------------------------------------------------------------------
-
-    def _build(
-        self,
-        model: type[ExecutionTransitioned] | type[DeliveryTransitioned],
-        **fields: Any,
-    ) -> Transition:
-        now_ns = self._clock_ns()
-        try:
-            return model(
-                event_id=ids.event_id(now_ns // 1_000_000, self._entropy(10)),
-                occurred_at=_EPOCH + timedelta(microseconds=now_ns // 1000),
-                **fields,
-            )
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
-            )
-            raise InvalidTransitionError(
-                f"invalid {model.__name__} ({problems}): fix the arguments; nothing was sent"
-            ) from None
-
-    def _outgoing(self, event: OperationEvent) -> OutgoingRecord:
-        return self._records.record(event)
-
-
-_APPENDABLE = (ExecutionTransitioned, DeliveryTransitioned, OwnershipTaken, ReconciliationDecided)
-
-
-def _require_lease(handle: TrackedOperation) -> None:
-    """Refuse, before anything is sent, to write under a lease this process may have lost: past
-    its local deadline another process may already own the operation."""
-    lease = handle.lease
-    if lease is not None and not lease.valid():
-        raise LeaseLostError(
-            f"{handle.operation_id}: the lease (token {lease.token}) ran out; another process "
-            "may own the operation now (take it over again to continue); this step was not sent"
-        )
-
-
-def _require_settled(handle: TrackedOperation) -> None:
-    pending = handle.in_doubt
-    if pending is None:
-        return
-    last = pending.events[-1]
-    if isinstance(last, ExecutionTransitioned):
-        what = f"{last.state} attempt {last.attempt}"
-    elif isinstance(last, DeliveryTransitioned):
-        what = f"delivery to {last.destination} {last.state} attempt {last.attempt}"
-    else:
-        what = f"{last.kind} event"
-    raise InDoubtError(
-        f"{handle.operation_id}: the append of {what} ({last.event_id}) failed or timed out, "
-        "so it may or may not be recorded. Call recorder.resend(handle) until it succeeds; "
-        "no other step is allowed before that",
-        handle,
-    )
-
 
 def _synchronous(providers: Iterable[Provider | AsyncProvider]) -> list[Provider]:
     listed = list(providers)
@@ -965,26 +507,38 @@ class TransitionRecorder(RecorderCore):
         calls again: the operation is reported as the log holds it (``Execution.repeat``)."""
         return self._drive(
             execution.execute(
-                self, tenant_id, actor_id, tool_name, arguments, operation_id=operation_id
+                self.collaborators,
+                tenant_id,
+                actor_id,
+                tool_name,
+                arguments,
+                operation_id=operation_id,
             )
         )
 
     @guarded
     def resume(self, handle: TrackedOperation) -> Execution:
         """Dispatch (once) an intent taken over from an owner that went away before it did."""
-        return execution.resume(self, handle)
+        return self._drive(execution.resume(self.collaborators, handle))
 
     @guarded
     def load(self, operation_id: str, tenant_id: str) -> TrackedOperation:
         """The operation as the log says it is now (read-only handle, no lease)."""
-        return execution.load(self, operation_id, tenant_id)
+        return execution.load(self.collaborators, operation_id, tenant_id)
 
     @guarded
     def cancel(
         self, operation_id: str, tenant_id: str, actor_id: str, reason: str
     ) -> TrackedOperation:
         """Cancel an operation: final before dispatch, reconciled (never retried) after it."""
-        return execution.cancel(self, operation_id, tenant_id, actor_id, reason)
+        return execution.cancel(
+            self.collaborators,
+            operation_id,
+            tenant_id,
+            actor_id,
+            reason,
+            append=lambda events, known: self.append(events, known=known),
+        )
 
     @guarded
     def take_over(
@@ -998,7 +552,7 @@ class TransitionRecorder(RecorderCore):
     ) -> TrackedOperation:
         """Take the operation over under a new lease (recorded first), as it is now."""
         return execution.take_over(
-            self, operation_id, tenant_id, reason=reason, ttl=ttl, force=force
+            self.collaborators, operation_id, tenant_id, reason=reason, ttl=ttl, force=force
         )
 
     # -- execution ---------------------------------------------------------------------------
@@ -1035,8 +589,14 @@ class TransitionRecorder(RecorderCore):
         append fails, the error's ``handles`` holds the handle, in doubt: resend it.
         """
         return self._drive(
-            self._intent_steps(
-                tenant_id, actor_id, tool_name, arguments, operation_id, lease_ttl=lease_ttl
+            execution.intent_steps(
+                self.collaborators,
+                tenant_id,
+                actor_id,
+                tool_name,
+                arguments,
+                operation_id=operation_id,
+                lease_ttl=lease_ttl,
             )
         )
 
@@ -1054,7 +614,7 @@ class TransitionRecorder(RecorderCore):
         """
         return self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.DISPATCHED, actor_id, provider_ref=provider_ref
             ),
         )
@@ -1073,7 +633,7 @@ class TransitionRecorder(RecorderCore):
         sent) or an existing ``sha256:`` result ref."""
         return self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle,
                 ExecutionState.SUCCEEDED,
                 actor_id,
@@ -1090,7 +650,7 @@ class TransitionRecorder(RecorderCore):
         """Record FAILED: the provider confirmed the call did not happen / did not succeed."""
         return self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.FAILED, actor_id, error=clean_error(error)
             ),
         )
@@ -1102,7 +662,7 @@ class TransitionRecorder(RecorderCore):
         """Record UNKNOWN: contact was lost after dispatch; reconcile, never blind-retry."""
         return self._run(
             [handle],
-            lambda: self._plan_execution(
+            lambda: self._planner.plan_execution(
                 handle, ExecutionState.UNKNOWN, actor_id, error=clean_error(error)
             ),
         )
@@ -1116,7 +676,7 @@ class TransitionRecorder(RecorderCore):
         """Record that the result must be delivered to ``destination`` (PENDING, attempt 0)."""
         return self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle, destination, DeliveryState.PENDING, actor_id, attempt=0
             ),
         )
@@ -1128,7 +688,7 @@ class TransitionRecorder(RecorderCore):
         """Record a send to ``destination`` (SENT, one more attempt)."""
         return self._run(
             [handle],
-            lambda: self._plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
+            lambda: self._planner.plan_delivery(handle, destination, DeliveryState.SENT, actor_id),
         )
 
     @guarded
@@ -1138,7 +698,7 @@ class TransitionRecorder(RecorderCore):
         """Record that ``destination`` acknowledged receipt (ACKED)."""
         return self._run(
             [handle],
-            lambda: self._plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
+            lambda: self._planner.plan_delivery(handle, destination, DeliveryState.ACKED, actor_id),
         )
 
     @guarded
@@ -1157,7 +717,7 @@ class TransitionRecorder(RecorderCore):
             raise IllegalTransitionError(f"no delivery to {destination} to retry; nothing was sent")
         return self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle,
                 destination,
                 DeliveryState.PENDING,
@@ -1179,7 +739,7 @@ class TransitionRecorder(RecorderCore):
         """Give up on delivering to ``destination`` (DEAD_LETTERED), saying why."""
         return self._run(
             [handle],
-            lambda: self._plan_delivery(
+            lambda: self._planner.plan_delivery(
                 handle, destination, DeliveryState.DEAD_LETTERED, actor_id, error=clean_error(error)
             ),
         )
@@ -1204,7 +764,7 @@ class TransitionRecorder(RecorderCore):
         touched: dict[str, TrackedOperation] = {}
 
         def plan() -> Plan | None:
-            planned = self._plan_append(events, handles)
+            planned = self._planner.plan_append(events, handles)
             if planned is not None:
                 touched.update((p.handle.operation_id, p.handle) for p in planned.parts)
             return planned
@@ -1216,7 +776,7 @@ class TransitionRecorder(RecorderCore):
     def resend(self, handle: TrackedOperation) -> bool:
         """Send the in-doubt events of ``handle`` again, identical (same event ids), and settle
         the handle once they are acknowledged. Returns False when nothing was in doubt."""
-        return self._run([handle], lambda: self._plan_resend(handle))
+        return self._run([handle], lambda: self._planner.plan_resend(handle))
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -16,15 +16,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ledger.call_rule import Interrupted
 from ledger.log import OutgoingRecord
 from ledger.tools import AsyncProvider, Provider
 from producers.operation import TrackedOperation
-
-if TYPE_CHECKING:
-    from producers.recorder import Plan
+from producers.planner import Plan
 
 T = TypeVar("T")
 

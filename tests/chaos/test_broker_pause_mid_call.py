@@ -55,7 +55,7 @@ def test_a_broker_pause_mid_call_names_the_recorded_intent_and_its_fate(
 
     monkeypatch.setattr(execution_module, "fault_point", pause_the_broker)
     recorder = TransitionRecorder.connect(settings, providers=[provider], delivery_timeout_s=2.0)
-    recorder._policy = _allow
+    recorder.collaborators.policy = _allow
     try:
         try:
             with pytest.raises(RecordError) as raised:

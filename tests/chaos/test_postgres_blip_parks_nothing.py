@@ -95,7 +95,7 @@ def test_a_one_second_postgres_restart_during_calls_parks_nothing(
         wait_http(f"http://127.0.0.1:{settings.projector_web_port}/healthz", timeout=90)
         recovery.start()
         with TransitionRecorder.connect(settings, providers=[provider]) as recorder:
-            recorder._policy = _allow
+            recorder.collaborators.policy = _allow
             calls = _Calls(recorder)
             threads = [threading.Thread(target=calls.run, args=(i,)) for i in range(THREADS)]
             for thread in threads:

@@ -69,7 +69,7 @@ def test_an_answer_is_recorded_alike_by_the_sdk_and_the_recovery_worker(
     try:
         # The SDK calls the tool itself...
         with TransitionRecorder.connect(isolated, providers=[rig.provider]) as service:
-            service._policy = _allow
+            service.collaborators.policy = _allow
             by_sdk = service.execute("acme", "agent-7", TOOL, {"to": "sdk@example.com"})
         # ... and the recovery worker calls it for an intent whose owner went away.
         abandoned = rig.abandoned()

@@ -81,13 +81,13 @@ class AsyncTool(Tool):
 
 def _recorder(settings: Settings, *tools: Tool) -> TransitionRecorder:
     recorder = TransitionRecorder.connect(settings, providers=list(tools))
-    recorder._policy = allow_all
+    recorder.collaborators.policy = allow_all
     return recorder
 
 
 def _async_recorder(settings: Settings, *tools: Tool) -> AsyncTransitionRecorder:
     recorder = AsyncTransitionRecorder.connect(settings, providers=list(tools))
-    recorder._policy = allow_all
+    recorder.collaborators.policy = allow_all
     return recorder
 
 
@@ -126,7 +126,7 @@ def test_a_forked_child_is_refused_and_the_parent_carries_on(isolated: Settings)
     tool = Tool()
     recorder = _recorder(isolated, tool)
     assert recorder.execute("acme", "agent-7", "tool", {"n": 1}).state is X.SUCCEEDED
-    pool = recorder._results._pool  # type: ignore[union-attr]
+    pool = recorder.collaborators.results._pool  # type: ignore[union-attr]
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report what happened through the pipe, never return to pytest

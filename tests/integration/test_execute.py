@@ -44,7 +44,7 @@ def allow_all(request: PolicyRequest) -> PolicyDecision:
 
 def _recorder(settings: Settings, **kwargs: object) -> TransitionRecorder:
     recorder = TransitionRecorder.connect(settings, **kwargs)  # type: ignore[arg-type]
-    recorder._policy = allow_all
+    recorder.collaborators.policy = allow_all
     return recorder
 
 
@@ -164,7 +164,7 @@ def test_policy_refusal_fails_the_intent_without_a_call(isolated: Settings) -> N
         return PolicyDecision(False, "the grant was revoked", "ev_01JABCDEFGHJKMNPQRSTVWXYZ0")
 
     with _recorder(isolated, providers=[provider]) as recorder:
-        recorder._policy = refuse
+        recorder.collaborators.policy = refuse
         done = recorder.execute("acme", "agent-7", "send_email", {"n": 2})
     assert done.refused and done.state is X.FAILED and done.attempt == 0
     assert "revoked" in (done.error or "") and "ev_01JABCDEFGHJKMNPQRSTVWXYZ0" in (done.error or "")
@@ -263,7 +263,7 @@ def test_a_zombie_writing_after_a_take_over_is_fenced(isolated: Settings) -> Non
             request_hash=op.execution.request_hash,
             lease_token=1,
         )
-        new._transport.send([new._outgoing(stale)])
+        new.collaborators.transport.send([new.collaborators.planner.outgoing(stale)])
         new.dispatched(handle, provider_ref=op.operation_id)
     project_in_process(isolated)
     with psycopg.connect(isolated.dsn) as conn:
@@ -288,7 +288,7 @@ def test_a_rival_version_of_a_recorded_step_is_a_conflict_with_both_kept(
                 "result_ref": "sha256:" + "ab" * 32,
             }
         )
-        recorder._transport.send([recorder._outgoing(rival)])
+        recorder.collaborators.transport.send([recorder.collaborators.planner.outgoing(rival)])
     project_in_process(isolated)
     with psycopg.connect(isolated.dsn) as conn:
         anomaly = conn.execute("SELECT kind, event->>'event_id', reason FROM anomalies").fetchone()

@@ -109,7 +109,7 @@ def _run(
 
     async def main() -> Any:
         async with AsyncTransitionRecorder.connect(settings, **kw) as recorder:
-            recorder._policy = allow_all
+            recorder.collaborators.policy = allow_all
             return await scenario(recorder)
 
     return asyncio.run(main())
@@ -161,12 +161,14 @@ def test_execute_records_every_step_off_the_event_loop(
     state, providers = _fakes()
 
     async def scenario(recorder: AsyncTransitionRecorder) -> tuple[int, list[Execution]]:
-        leases, results = recorder._leases, recorder._results
-        assert leases is not None and results is not None and recorder._policy is not None
+        leases, results = recorder.collaborators.leases, recorder.collaborators.results
+        assert (
+            leases is not None and results is not None and recorder.collaborators.policy is not None
+        )
         for name in ("create", "holds", "tenant_of"):
             setattr(leases, name, thread_log.wrap(name, getattr(leases, name)))
         results.put = thread_log.wrap("put", results.put)  # type: ignore[method-assign]
-        recorder._policy = thread_log.wrap("policy", recorder._policy)
+        recorder.collaborators.policy = thread_log.wrap("policy", recorder.collaborators.policy)
         done = [
             await recorder.execute("acme", "agent-7", tool, {"to": "a@example.com"})
             for tool in TOOLS
@@ -298,7 +300,7 @@ def test_policy_refusal_fails_the_intent_without_a_call(isolated: Settings) -> N
         return revoked
 
     async def scenario(recorder: AsyncTransitionRecorder) -> Execution:
-        recorder._policy = refuse
+        recorder.collaborators.policy = refuse
         return await recorder.execute("acme", "agent-9", "post_slack_message", {"n": 2})
 
     done = _run(isolated, scenario, providers=providers)
@@ -381,7 +383,7 @@ def test_the_threaded_recorder_recognises_a_repeated_operation_id_too(
     # recorder called the tool again and appended a conflicting history.
     state, providers = _fakes()
     with TransitionRecorder.connect(isolated, providers=providers[:1]) as recorder:
-        recorder._policy = allow_all
+        recorder.collaborators.policy = allow_all
         op = recorder.new_operation_id()
         first = recorder.execute("acme", "agent-7", "send_email", {"n": 1}, operation_id=op)
         again = recorder.execute("acme", "agent-7", "send_email", {"n": 1}, operation_id=op)

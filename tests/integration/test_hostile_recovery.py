@@ -582,8 +582,8 @@ def test_a_cancel_the_log_would_refuse_takes_nothing_from_the_live_owner(
                 (op.operation_id,),
             ).fetchone()
         assert lease_after == lease_before, "the live owner keeps its lease"
-        assert live._leases is not None and op.lease is not None
-        assert live._leases.holds(op.lease)
+        assert live.collaborators.leases is not None and op.lease is not None
+        assert live.collaborators.leases.holds(op.lease)
 
 
 @pytest.mark.parametrize(

@@ -294,7 +294,7 @@ def _run(
     threads: list[threading.Thread] = []
     callers = TransitionRecorder.connect(settings, providers=[tool], owner="callers")
     again = TransitionRecorder.connect(settings, providers=[tool], owner="repeaters")
-    callers._policy = again._policy = allow_all
+    callers.collaborators.policy = again.collaborators.policy = allow_all
     try:
         wait_http(f"http://127.0.0.1:{projector_port}/healthz", timeout=120)
         cluster.wait_in_sync(ours)

@@ -101,10 +101,10 @@ def _drive(
     acknowledgement the lease comes first: ``KafkaTransport.warm``)."""
 
     def watch(recorder: Any) -> Any:
-        leases = recorder._leases
+        leases = recorder.collaborators.leases
         for name in ("create", "holds", "tenant_of"):
             setattr(leases, name, _logged(log, name, getattr(leases, name)))
-        recorder._policy = _logged(log, "policy", _allow)
+        recorder.collaborators.policy = _logged(log, "policy", _allow)
         return recorder
 
     def transport(inner: Transport) -> Transport:

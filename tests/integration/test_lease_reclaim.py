@@ -82,7 +82,7 @@ def test_a_stall_past_the_lease_is_ridden_out_unless_someone_took_over(
         return stalls[0]
 
     with TransitionRecorder.connect(isolated, providers=[provider], wrap_transport=wrap) as sdk:
-        sdk._policy = _allow
+        sdk.collaborators.policy = _allow
         op_id = sdk.new_operation_id()
         op_ids.append(op_id)
         sdk.new_operation_id = lambda: op_id  # type: ignore[method-assign]

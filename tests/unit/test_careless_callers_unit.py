@@ -14,7 +14,8 @@ from ledger.domain.states import ExecutionState
 from ledger.tools import CallOutcome
 from producers import ForkedRecorderError, InvalidTransitionError, RecorderClosedError
 from producers.execution import _check_identity
-from producers.recorder import RecorderCore, canonical_request
+from producers.planner import canonical_request
+from producers.recorder import RecorderCore
 from producers.steps import Call, Interrupted, _outcome
 
 

@@ -426,5 +426,7 @@ def test_a_handle_without_its_lease_is_never_dispatched() -> None:
     handle = plain.intent("acme", "agent-7", TOOL, {"n": 3})
     log.clear()
     with pytest.raises(LeaseLostError, match="not held under a lease"):
-        recorder._drive(_dispatch_and_call(recorder, handle, recorder._providers[TOOL], {}))
+        collaborators = recorder.collaborators
+        provider = collaborators.providers[TOOL]
+        recorder._drive(_dispatch_and_call(collaborators, handle, provider, {}))
     assert log == []
