@@ -139,6 +139,9 @@ class Collaborators:
     replaced on a running recorder (a test's policy) is the one used from then on."""
 
     planner: Planner
+    #: the recorder's ``new_operation_id``, as it is when called (a subclass's, or one a test
+    #: replaced on the recorder, makes the ids of ``execute`` and ``intent`` too)
+    new_operation_id: Callable[[], str]
     transport: Transport
     history: SharedHistory
     running: RunningExecutions
@@ -209,7 +212,7 @@ def execute(
     _check_identity(tenant_id, actor_id, operation_id)
     # An empty id is refused above, never taken for "none": a caller retrying with the same
     # empty id would otherwise get a new operation, and a second call, every time.
-    op_id = collaborators.planner.new_operation_id() if operation_id is None else operation_id
+    op_id = collaborators.new_operation_id() if operation_id is None else operation_id
     with collaborators.running.claim(op_id):
         if operation_id is not None:  # the caller's own id: an earlier call may have begun it
             earlier = yield from _begun(collaborators, op_id, tenant_id, tool_name, arguments)
@@ -287,7 +290,7 @@ def intent_steps(
     if fresh is None:
         fresh = operation_id is None
     handle = TrackedOperation.unknown(
-        collaborators.planner.new_operation_id() if operation_id is None else operation_id
+        collaborators.new_operation_id() if operation_id is None else operation_id
     )
     request, request_hash = canonical_request(tool_name, arguments)
     # Validated before the lease is taken: nothing is stored for an intent that cannot be.

@@ -233,6 +233,8 @@ class RecorderCore:
         #: a field replaced here is used from the next read on.
         self.collaborators = Collaborators(
             planner=self._planner,
+            # Looked up at each call, not bound now: one replaced on this recorder later counts.
+            new_operation_id=lambda: self.new_operation_id(),  # noqa: PLW0108
             transport=transport,
             history=SharedHistory(history),
             running=RunningExecutions(),
