@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
@@ -23,6 +24,7 @@ from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
 from ledger.log.clients import new_admin
+from ledger.log.reads import ride_out
 from ledger.settings import Settings
 
 
@@ -142,7 +144,7 @@ def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
     specs = all_topic_specs(settings)
     admin = new_admin(settings, client_id="opledger-topics")
     _create(admin, specs, timeout)
-    _verify(admin, specs, timeout)
+    _verify(admin, specs, timeout, settings.bootstrap_servers)
     return specs
 
 
@@ -169,7 +171,7 @@ def _create(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
             raise TopicError(f"could not create topic {name}: {error}") from exc
 
 
-def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
+def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstrap: str) -> None:
     # Metadata of a just-created topic can lag the create response by a moment.
     deadline = time.monotonic() + timeout
     while True:
@@ -198,17 +200,30 @@ def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
                 f"OPLEDGER_REPLICATION_FACTOR asks for {spec.replication}; reassign its "
                 "partitions to more brokers or use a new topic_prefix"
             )
-    _verify_cleanup(admin, specs, timeout)
+    _verify_cleanup(admin, specs, timeout, bootstrap)
 
 
-def _verify_cleanup(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
+def _verify_cleanup(
+    admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstrap: str
+) -> None:
     # A policy topic left with "delete" would lose grants to retention; a log topic with
     # "compact" would lose history to compaction. Either is refused, not silently used.
     resources = [ConfigResource(ResourceType.TOPIC, s.name) for s in specs]
-    described = {
-        resource.name: future.result(timeout)
-        for resource, future in admin.describe_configs(resources).items()
-    }
+
+    def describe() -> dict[str, Any]:
+        return {
+            resource.name: future.result(timeout)
+            for resource, future in admin.describe_configs(resources).items()
+        }
+
+    # A broker that has not learnt of a topic created a moment ago answers
+    # UNKNOWN_TOPIC_OR_PART (seen on the three-broker cluster in CI): asked again, it knows.
+    described = ride_out(
+        describe,
+        deadline=time.monotonic() + timeout,
+        what="the topics' configurations",
+        bootstrap=bootstrap,
+    )
     for spec in specs:
         want = spec.config.get("cleanup.policy")
         entry = described[spec.name].get("cleanup.policy")

@@ -15,11 +15,11 @@ from uuid import uuid4
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient
 from hypothesis import settings as hypothesis_settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from ledger.log.clients import new_admin
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
 from ledger.settings import Settings
@@ -82,21 +82,28 @@ def _isolated(stack_settings: Settings) -> Iterator[Settings]:
         db.migrate(settings.dsn)  # as `opledger stack up` does for the shared database
         yield settings
     finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
-            )
-        # Infinite retention would otherwise keep every test's records on disk forever.
-        # The projector's faust worker adds its own internal topics under the same prefix.
-        admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
-        ours = [
-            t
-            for t in admin.list_topics(timeout=10).topics
-            if t.startswith(f"{tag}.") or t.startswith(f"{tag}-")
-        ]
-        if ours:
-            for future in admin.delete_topics(ours).values():
-                future.exception(timeout=30)
+        _drop(settings, tag, database, admin_dsn)
+
+
+def _drop(settings: Settings, tag: str, database: str, admin_dsn: str) -> None:
+    # A function of its own, not the finally above: a setup that failed keeps its traceback,
+    # and with it that frame's locals, until pytest has reported it; an admin client held there
+    # outlived its cluster and wrote librdkafka's reconnect complaints into later tests' stderr.
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+        )
+    # Infinite retention would otherwise keep every test's records on disk forever.
+    # The projector's faust worker adds its own internal topics under the same prefix.
+    admin = new_admin(settings, client_id="tests-cleanup")
+    ours = [
+        t
+        for t in admin.list_topics(timeout=10).topics
+        if t.startswith(f"{tag}.") or t.startswith(f"{tag}-")
+    ]
+    if ours:
+        for future in admin.delete_topics(ours).values():
+            future.exception(timeout=30)
 
 
 @pytest.fixture

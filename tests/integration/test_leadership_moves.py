@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 
@@ -36,6 +35,7 @@ from ledger.codec import default_codec
 from ledger.domain.events import ExecutionTransitioned
 from ledger.domain.states import ExecutionState
 from ledger.history import HistoryReader
+from ledger.log.clients import new_admin
 from ledger.pg import open_pool
 from ledger.settings import Settings
 from ledger.topics import all_topic_specs
@@ -367,7 +367,7 @@ def _run(
 
 def _replication(settings: Settings) -> dict[str, tuple[int, str]]:
     """Each topic's fewest replicas and its min.insync.replicas, as the cluster has them."""
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = new_admin(settings, client_id="tests-replication")
     names = [spec.name for spec in all_topic_specs(settings)]
     metadata = admin.list_topics(timeout=10).topics
     resources = [ConfigResource(ResourceType.TOPIC, name) for name in names]
