@@ -19,7 +19,6 @@ import time
 from datetime import UTC, datetime
 
 from benchenv import isolated
-
 from ledger.destinations import DestinationStore, Kind, new_secret
 from ledger.domain.ids import operation_id
 from ledger.pg import open_pool
