@@ -32,9 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=600, help="requests of each kind")
     args = parser.parse_args()
-    with isolated(Settings.from_env(), "oracle") as env, open_pool(
-        env.settings.dsn, name="bench-oracle", max_size=2
-    ) as pool:
+    with (
+        isolated(Settings.from_env(), "oracle") as env,
+        open_pool(env.settings.dsn, name="bench-oracle", max_size=2) as pool,
+    ):
         store = DestinationStore(pool)
         store.add(
             tenant_id="acme",
