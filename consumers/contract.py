@@ -18,8 +18,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ledger.domain.events import Identifier, ToolName
-from ledger.domain.ids import OPERATION_ID_RE, SHA256_REF_RE, content_ref
+from ledger.domain.events import ContentRef, Identifier, OperationId, ToolName
+from ledger.domain.ids import content_ref
+from ledger.domain.names import SHAPES, NameKind, is_name
 from ledger.result_fetch import MAX_RESULT_BYTES
 
 #: Largest body a receiver reads; a longer one is refused (413) before it is read.
@@ -170,7 +171,7 @@ def parse_idempotency_key(values: Sequence[str]) -> str:
                 f"{IDEMPOTENCY_HEADER} is not a Structured-Field string holding an operation id"
             )
         raw = inner
-    if not OPERATION_ID_RE.fullmatch(raw):
+    if not is_name(NameKind.OPERATION_ID, raw):
         raise malformed_key(f"{IDEMPOTENCY_HEADER} is not an operation id (op_ + ULID)")
     return raw
 
@@ -198,7 +199,7 @@ _ContentType = Annotated[
 #: take a delivered value back, and the check showed up in profiles of the receiver's path.
 _Destination = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$"),
+    StringConstraints(pattern=f"^{SHAPES[NameKind.DESTINATION]}$"),
 ]
 
 
@@ -211,11 +212,11 @@ class EventBody(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
 
-    operation_id: Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
+    operation_id: OperationId
     tenant_id: Identifier
     tool_name: ToolName
     destination: _Destination
-    result_ref: Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
+    result_ref: ContentRef
     content_type: _ContentType
     #: the result, inline; or, when it is too large to carry (decision 015), none of it here:
     #: ``result_url`` says where to fetch it and ``result_size`` how long it is.

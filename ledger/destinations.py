@@ -23,16 +23,17 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger.domain.events import recordable_destination
+from ledger.domain.names import InvalidNameError, NameKind, check_name, check_tools
 from ledger.pg import retrying
 from ledger.settings import Network
 
 # \Z, not $: "$" also matches before a final newline, which the database's checks refuse
 # (and then print the whole row, secret included, in their error and the server's log).
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}\Z")
 SECRET_RE = re.compile(r"^whsec_[A-Za-z0-9+/=]{16,}\Z")
 WILDCARD = "*"
 MAX_URL = 2048
+_NOT_IN_A_URL = re.compile(r"[^!-~]")
 
 
 class DestinationError(ValueError):
@@ -96,6 +97,13 @@ def check_webhook_url(url: str) -> str:
     would be logged and shown), no fragment."""
     if len(url) > MAX_URL:
         raise DestinationError(f"the URL is longer than {MAX_URL} characters")
+    if _NOT_IN_A_URL.search(url):
+        # urlsplit drops tabs and line breaks without a word (WHATWG), so the URL stored would
+        # not be the URL sent; a space or a non-ASCII character has a percent-encoded form.
+        raise DestinationError(
+            "a webhook URL is printable ASCII without spaces: percent-encode the rest "
+            "(a host name in its xn-- form)"
+        )
     try:
         parts = urlsplit(url)
         port = parts.port  # raises for a port that is not a number
@@ -248,14 +256,25 @@ def check_webhook_address(url: str, guard: AddressGuard) -> None:
 
 
 def check(
-    *, name: str, kind: Kind, target: str, tools: Sequence[str], secret: str | None, timeout_ms: int
+    *,
+    tenant_id: str,
+    name: str,
+    kind: Kind,
+    target: str,
+    tools: Sequence[str],
+    secret: str | None,
+    timeout_ms: int,
+    changed_by: str,
 ) -> None:
-    """Raise DestinationError unless this is a valid destination."""
-    if not NAME_RE.match(name):
-        raise DestinationError(
-            f"destination name {name!r}: 1-64 of a-z 0-9 . _ -, starting with a letter or digit "
-            "(it is a metric label and part of every delivery's webhook-id)"
-        )
+    """Raise DestinationError unless this is a valid destination: every name checked as the
+    SDK and the event contract check it (:mod:`ledger.domain.names`)."""
+    try:
+        check_name(NameKind.TENANT, tenant_id)
+        check_name(NameKind.DESTINATION_NAME, name)
+        check_name(NameKind.ACTOR, changed_by)
+    except InvalidNameError as exc:
+        # The name is a metric label and part of every delivery's webhook-id.
+        raise DestinationError(str(exc)) from None
     if not recordable_destination(name):
         # Not echoed: it looks like a credential.
         raise DestinationError(
@@ -273,8 +292,12 @@ def check(
             # Optional: a queue's records are not signed (the broker's ACLs guard the topic);
             # the secret signs only its consumer's fetches of large results (decision 016).
             raise DestinationError("a queue destination's fetch secret must be a whsec_ secret")
-    if not tools or any(not t or len(t) > 128 for t in tools):
+    if not tools:
         raise DestinationError("name at least one tool (or '*' for every tool)")
+    try:
+        check_tools(list(tools), wildcard=WILDCARD)
+    except InvalidNameError as exc:
+        raise DestinationError(f"{exc}, or '*' for every tool") from None
     if not 100 <= timeout_ms <= 120_000:
         raise DestinationError("the request timeout must be between 100 ms and 120 s")
 
@@ -330,7 +353,14 @@ class DestinationStore:
         if kind is Kind.WEBHOOK and secret is None:
             secret = new_secret()
         check(
-            name=name, kind=kind, target=target, tools=tools, secret=secret, timeout_ms=timeout_ms
+            tenant_id=tenant_id,
+            name=name,
+            kind=kind,
+            target=target,
+            tools=tools,
+            secret=secret,
+            timeout_ms=timeout_ms,
+            changed_by=changed_by,
         )
 
         def work(conn: psycopg.Connection[Any]) -> Any:

@@ -13,7 +13,6 @@ row is committed, and a payload PostgreSQL refuses fails only its own caller.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from psycopg_pool import ConnectionPool
 from ledger import migrate
 from ledger.domain.call import storable_content_type
 from ledger.domain.ids import SHA256_REF_RE, content_ref
+from ledger.domain.names import InvalidNameError, NameKind, is_name
 from ledger.errors import ResultStoreError
 from ledger.pg import (
     DEFAULT_RECONNECT_WINDOW_S,
@@ -43,9 +43,6 @@ MAX_RESULT_BYTES = 16 * 1024 * 1024
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 COMPONENT = "ledger"
-
-# Same shape as the events' Identifier so a stored result's tenant is one an event can carry.
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 
 
 #: Payload bytes one shared commit takes at most (a single larger payload still goes alone).
@@ -197,8 +194,9 @@ def _again(exc: ResultStoreError) -> ResultStoreError:
 
 
 def _check_tenant(tenant_id: str) -> None:
-    if not isinstance(tenant_id, str) or not _TENANT.fullmatch(tenant_id):
-        raise ResultStoreError(f"tenant_id is not a valid identifier: {tenant_id!r}")
+    # The events' shape, so a stored result's tenant is one an event can carry.
+    if not is_name(NameKind.TENANT, tenant_id):
+        raise ResultStoreError(str(InvalidNameError(NameKind.TENANT, tenant_id)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from detect_secrets.plugins.stripe import StripeDetector
 from detect_secrets.plugins.telegram_token import TelegramBotTokenDetector
 from detect_secrets.plugins.twilio import TwilioKeyDetector
 
-from ledger.display import displayable
+from ledger.domain.display import displayable
 from ledger.domain.redact import (
     REDACTED,
     Span,
@@ -213,7 +213,7 @@ def redact_handlers(logger: logging.Logger | None = None) -> int:
 
 class RedactingFilter(logging.Filter):
     """Scrubs each record's message, arguments and traceback, so no log line carries a secret,
-    and writes what a terminal would act on as visible escapes (:mod:`ledger.display`).
+    and writes what a terminal would act on as visible escapes (:mod:`ledger.domain.display`).
 
     Attach it to handlers: a logger's own filters do not see records propagated from its
     children. It never drops a record.
@@ -227,7 +227,7 @@ class RedactingFilter(logging.Filter):
             # into the caller of the log statement.
             message = f"{record.msg} {record.args!r}"
         # Shown, not run: a provider's words in a message must not clear an operator's
-        # terminal or begin a line that poses as another record (ledger.display).
+        # terminal or begin a line that poses as another record (ledger.domain.display).
         record.msg = displayable(scrub(message))
         # Empty, not None: mode's formatter (faust's workers) turns None into (None,) and formats
         # the message with it again.

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+
+from ledger.domain.names import InvalidNameError, NameKind, check_name
+from ledger.domain.policy import WILDCARD
 
 #: What ``ledger.destinations.MAX_ROTATION_OVERLAP`` allows, in hours.
 MAX_OVERLAP_HOURS = 720
@@ -30,3 +34,28 @@ def overlap_hours(raw: str) -> float:
     if not math.isfinite(hours) or not 0 <= hours <= MAX_OVERLAP_HOURS:
         raise argparse.ArgumentTypeError(f"not between 0 and {MAX_OVERLAP_HOURS} hours: {raw}")
     return hours
+
+
+def _name(kind: NameKind, *, wildcard: bool = False) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if wildcard and raw == WILDCARD:
+            return raw
+        try:
+            return check_name(kind, raw)
+        except InvalidNameError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = kind.value  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+#: Argument types of the names every command takes, checked as the SDK, HTTP and the event
+#: contract check them (:mod:`ledger.domain.names`).
+tenant = _name(NameKind.TENANT)
+actor = _name(NameKind.ACTOR)
+actor_or_wildcard = _name(NameKind.ACTOR, wildcard=True)
+tool = _name(NameKind.TOOL)
+tool_or_wildcard = _name(NameKind.TOOL, wildcard=True)
+destination = _name(NameKind.DESTINATION)
+destination_name = _name(NameKind.DESTINATION_NAME)
+operation_id = _name(NameKind.OPERATION_ID)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ledger.settings import Settings, SettingsError
 from opledger import (
+    analysts,
     consumer,
     db,
     deliver,
@@ -171,6 +172,7 @@ REGISTRARS: list[Registrar] = [
     deliver.register,
     ops.register,
     policy.register,
+    analysts.register,
     demo.register,
     fake_provider.register,
     consumer.register,

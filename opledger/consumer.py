@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ledger import faults
 from ledger.settings import Settings, SettingsError
+from opledger import arguments
 from opledger.arguments import tcp_port
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ def register(commands: Any) -> None:
     scope.add_argument(
         "--tenant",
         action="append",
+        type=arguments.tenant,
         metavar="TENANT",
         help="take only this tenant's records (repeatable); others are dead-lettered "
         "unapplied as foreign-tenant, their results never fetched",

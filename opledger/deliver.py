@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ledger import faults
 from ledger.settings import Settings
+from opledger import arguments
 from opledger.arguments import overlap_hours
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
 def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations list --tenant T``."""
     from ledger.destinations import DestinationStore  # noqa: PLC0415
-    from ledger.display import displayable  # noqa: PLC0415
+    from ledger.domain.display import displayable  # noqa: PLC0415
     from ledger.pg import open_pool  # noqa: PLC0415
 
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
@@ -226,14 +227,21 @@ def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     if not found:
         print(f"tenant {args.tenant} has no destinations")
     for d in found:
-        # A 410's reason phrase is the destination's own words (ledger.display).
-        reason = displayable(d.disabled_reason or "by an operator")
+        # Every stored field through one escape: a 410's reason phrase is the destination's
+        # own words, and a row written before the names were checked may hold anything.
+        reason = d.disabled_reason or "by an operator"
         held = "deliveries dead-lettered" if d.gone else "deliveries wait"
         state = "enabled" if d.enabled else f"DISABLED ({reason}) {held}"
-        print(
-            f"{d.name}\t{d.kind.value}\t{displayable(d.target)}\ttools={','.join(d.tools)}\t"
-            f"timeout={d.timeout_ms}ms\t{state}\tchanged by {displayable(d.changed_by or '')}"
+        fields = (
+            d.name,
+            d.kind.value,
+            d.target,
+            f"tools={','.join(d.tools)}",
+            f"timeout={d.timeout_ms}ms",
+            state,
+            f"changed by {d.changed_by or ''}",
         )
+        print("\t".join(displayable(field) for field in fields))
     return EXIT_OK
 
 
@@ -485,8 +493,13 @@ def register(commands: Any) -> None:
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = actions.add_parser("add", help="add (or replace) a destination")
-    add.add_argument("--tenant", required=True, help="tenant id")
-    add.add_argument("--name", required=True, help="its name: what events and metrics show")
+    add.add_argument("--tenant", required=True, type=arguments.tenant, help="tenant id")
+    add.add_argument(
+        "--name",
+        required=True,
+        type=arguments.destination_name,
+        help="its name: what events and metrics show",
+    )
     where = add.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a webhook: results are POSTed here, signed")
     where.add_argument("--topic", help="a queue: results are appended to this Kafka topic")
@@ -494,6 +507,7 @@ def register(commands: Any) -> None:
         "--tool",
         action="append",
         required=True,
+        type=arguments.tool_or_wildcard,
         metavar="TOOL|*",
         help="whose results go there (repeat for several; '*' for every tool)",
     )
@@ -512,25 +526,36 @@ def register(commands: Any) -> None:
         "(without one, a result too large for a record is dead-lettered)",
     )
     add.add_argument("--timeout-ms", type=int, default=10_000, help="request timeout")
-    add.add_argument("--by", metavar="NAME", help="who makes the change (default: cli:<login>)")
+    add.add_argument(
+        "--by",
+        metavar="NAME",
+        type=arguments.actor,
+        help="who makes the change (default: cli:<login>)",
+    )
     add.set_defaults(handler="opledger.deliver:destinations_add")
     listing = actions.add_parser("list", help="a tenant's destinations (secrets never shown)")
-    listing.add_argument("--tenant", required=True, help="tenant id")
+    listing.add_argument("--tenant", required=True, type=arguments.tenant, help="tenant id")
     listing.set_defaults(handler="opledger.deliver:destinations_list")
     for name in ("enable", "disable"):
         change = actions.add_parser(name, help=f"{name} a destination")
-        change.add_argument("--tenant", required=True, help="tenant id")
-        change.add_argument("--name", required=True, help="the destination")
+        change.add_argument("--tenant", required=True, type=arguments.tenant, help="tenant id")
+        change.add_argument(
+            "--name", required=True, type=arguments.destination_name, help="the destination"
+        )
         change.add_argument("--reason", default=None, help="why (kept with the destination)")
-        change.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+        change.add_argument(
+            "--by", metavar="NAME", type=arguments.actor, help="who (default: cli:<login>)"
+        )
         change.set_defaults(handler="opledger.deliver:destinations_enable")
     rotate = actions.add_parser(
         "rotate-secret",
         help="a new signing secret; sends are signed with the old one too for an overlap, so "
         "the receiver can switch when it is ready",
     )
-    rotate.add_argument("--tenant", required=True, help="tenant id")
-    rotate.add_argument("--name", required=True, help="the destination")
+    rotate.add_argument("--tenant", required=True, type=arguments.tenant, help="tenant id")
+    rotate.add_argument(
+        "--name", required=True, type=arguments.destination_name, help="the destination"
+    )
     rotate.add_argument(
         "--secret-env",
         metavar="VAR",
@@ -544,7 +569,9 @@ def register(commands: Any) -> None:
         help="how long the old secret still signs sends (0: from now on only the new one; at "
         "most 720)",
     )
-    rotate.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+    rotate.add_argument(
+        "--by", metavar="NAME", type=arguments.actor, help="who (default: cli:<login>)"
+    )
     rotate.set_defaults(handler="opledger.deliver:destinations_rotate")
 
     parser = commands.add_parser("deliveries", help="dead-lettered deliveries: send them again")
@@ -554,10 +581,21 @@ def register(commands: Any) -> None:
         help="send dead-lettered deliveries again (one, or all since a time); recorded with who "
         "and why; a second redrive of the same dead letter changes nothing",
     )
-    again.add_argument("operation_id", nargs="?", metavar="OP_ID")
-    again.add_argument("--tenant", required=True, help="tenant id the deliveries belong to")
-    again.add_argument("--destination", help="the destination (with OP_ID: required)")
+    again.add_argument("operation_id", nargs="?", type=arguments.operation_id, metavar="OP_ID")
+    again.add_argument(
+        "--tenant",
+        required=True,
+        type=arguments.tenant,
+        help="tenant id the deliveries belong to",
+    )
+    again.add_argument(
+        "--destination",
+        type=arguments.destination,
+        help="the destination (with OP_ID: required)",
+    )
     again.add_argument("--since", metavar="TIME", help="every dead letter since this ISO time")
     again.add_argument("--reason", required=True, help="why (recorded; no secrets)")
-    again.add_argument("--by", metavar="NAME", help="who (default: cli:<login>)")
+    again.add_argument(
+        "--by", metavar="NAME", type=arguments.actor, help="who (default: cli:<login>)"
+    )
     again.set_defaults(handler="opledger.deliver:redrive")

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ledger.settings import Settings
+from opledger import arguments
 
 if TYPE_CHECKING:
     import psycopg
@@ -75,13 +76,18 @@ def register(commands: Any) -> None:
     list_parser = actions.add_parser(
         "list", help="a tenant's operations, oldest state change first"
     )
-    list_parser.add_argument("--tenant", required=True, help="tenant id (reads are per tenant)")
+    list_parser.add_argument(
+        "--tenant",
+        required=True,
+        type=arguments.tenant,
+        help="tenant id (reads are per tenant)",
+    )
     list_parser.add_argument(
         "--state",
         type=str.upper,
         help="execution state: INTENT_RECORDED, DISPATCHED, SUCCEEDED, FAILED or UNKNOWN",
     )
-    list_parser.add_argument("--tool", help="only this tool name")
+    list_parser.add_argument("--tool", type=arguments.tool, help="only this tool name")
     list_parser.add_argument(
         "--older-than",
         type=parse_duration,
@@ -96,17 +102,29 @@ def register(commands: Any) -> None:
         "show",
         help="one operation: execution, deliveries, reconciliations, full history and anomalies",
     )
-    show_parser.add_argument("operation_id", metavar="OP_ID")
-    show_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
+    show_parser.add_argument("operation_id", type=arguments.operation_id, metavar="OP_ID")
+    show_parser.add_argument(
+        "--tenant",
+        required=True,
+        type=arguments.tenant,
+        help="tenant id the operation belongs to",
+    )
     show_parser.set_defaults(handler="opledger.ops:show_command")
     cancel_parser = actions.add_parser(
         "cancel",
         help="cancel an operation: final before dispatch; after dispatch it is reconciled, "
         "never attempted again",
     )
-    cancel_parser.add_argument("operation_id", metavar="OP_ID")
-    cancel_parser.add_argument("--tenant", required=True, help="tenant id the operation belongs to")
-    cancel_parser.add_argument("--actor", required=True, help="who cancels (recorded)")
+    cancel_parser.add_argument("operation_id", type=arguments.operation_id, metavar="OP_ID")
+    cancel_parser.add_argument(
+        "--tenant",
+        required=True,
+        type=arguments.tenant,
+        help="tenant id the operation belongs to",
+    )
+    cancel_parser.add_argument(
+        "--actor", required=True, type=arguments.actor, help="who cancels (recorded)"
+    )
     cancel_parser.add_argument("--reason", required=True, help="why (recorded; no secrets)")
     cancel_parser.set_defaults(handler="opledger.ops:cancel_command")
 

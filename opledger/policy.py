@@ -362,22 +362,21 @@ def _explain(exc: Any, args: argparse.Namespace) -> str:
 
 
 def _check(field: str, value: str, option: str | None = None) -> None:
-    """Refuse ``value`` unless it has the shape the policy record's ``field`` accepts."""
-    from pydantic import TypeAdapter, ValidationError  # noqa: PLC0415
+    """Refuse ``value`` unless it is a name of the kind the policy record's ``field`` takes
+    (checked as every entry point checks names: :mod:`ledger.domain.names`). Not an argparse
+    type: this command reports every problem of its input at once."""
+    from ledger.domain.names import NameKind, is_name, quoted  # noqa: PLC0415
+    from ledger.domain.policy import WILDCARD  # noqa: PLC0415
 
-    from ledger.domain import events  # noqa: PLC0415
-
-    shape = {
-        "tenant_id": events.Identifier,
-        "principal": events.Principal,
-        "tool_name": events.ToolOrWildcard,
+    kind, wildcard = {
+        "tenant_id": (NameKind.TENANT, False),
+        "principal": (NameKind.ACTOR, True),
+        "tool_name": (NameKind.TOOL, True),
     }[field]
-    try:
-        TypeAdapter(shape).validate_python(value)
-    except ValidationError:
+    if not (wildcard and value == WILDCARD) and not is_name(kind, value):
         raise InputError(
-            f"{option or _OPTIONS[field]}: {value!r} is not valid: use {_SHAPES[field]}"
-        ) from None
+            f"{option or _OPTIONS[field]}: {quoted(value)} is not valid: use {_SHAPES[field]}"
+        )
 
 
 def _instant(option: str, text: str | None, now: datetime) -> datetime | None:

@@ -34,19 +34,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
 from ledger.call_rule import perform_call
 from ledger.domain.call import Judged
 from ledger.domain.events import (
     ExecutionTransitioned,
-    Identifier,
     OperationEvent,
-    OperationId,
     OwnershipTaken,
     ReconciliationDecided,
 )
 from ledger.domain.fate import fate
+from ledger.domain.names import InvalidNameError, NameKind, check_name
 from ledger.domain.policy import PolicyDecision, PolicyRequest, Purpose
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import ExecutionState
@@ -452,32 +449,19 @@ def take_over(
 # -- internals -------------------------------------------------------------------------------
 
 
-_IDENTIFIER: TypeAdapter[str] = TypeAdapter(Identifier)
-_OPERATION_ID: TypeAdapter[str] = TypeAdapter(OperationId)
-
-
 def _check_identity(tenant_id: Any, actor_id: Any, operation_id: Any) -> None:
     """Refuse ids no event can carry before any I/O (a caller's own id is looked up in
     PostgreSQL first, where a NUL or a number would surface as a database error)."""
-    checks: list[tuple[str, Any, TypeAdapter[str]]] = [
-        ("tenant_id", tenant_id, _IDENTIFIER),
-        ("actor_id", actor_id, _IDENTIFIER),
-    ]
+    checks = [("tenant_id", NameKind.TENANT, tenant_id), ("actor_id", NameKind.ACTOR, actor_id)]
     if operation_id is not None:
-        checks.append(("operation_id", operation_id, _OPERATION_ID))
-    for name, value, adapter in checks:
+        checks.append(("operation_id", NameKind.OPERATION_ID, operation_id))
+    for parameter, kind, value in checks:
         try:
-            adapter.validate_python(value, strict=True)
-        except ValidationError:
-            long = isinstance(value, str) and len(value) > 40
-            shown = ascii(value[:40] + "..." if long else value)
-            rule = (
-                "an op_ ULID (or none, for a fresh one)"
-                if name == "operation_id"
-                else "1 to 128 ASCII letters, digits and ._:@/- (starting with a letter or digit)"
-            )
+            check_name(kind, value)
+        except InvalidNameError as exc:
+            fresh = " (or none, for a fresh one)" if kind is NameKind.OPERATION_ID else ""
             raise InvalidTransitionError(
-                f"{name} {shown[:60]} is not {rule}: fix it; nothing was recorded"
+                f"{parameter}: {exc}{fresh}: fix it; nothing was recorded"
             ) from None
 
 

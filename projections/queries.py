@@ -10,7 +10,6 @@ every combination and stays readable.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,16 +18,11 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ledger.domain.ids import OPERATION_ID_RE
+from ledger.domain.names import InvalidNameError, NameKind, check_name
 from ledger.domain.states import DeliveryState, ExecutionState
 
 #: Largest ``limit`` accepted by :func:`list_operations`; bigger exports belong in psql.
 MAX_LIMIT = 10_000
-
-# Same shapes as the events' Identifier and ToolName (ledger.domain.events): anything else
-# cannot have been recorded, so it is a typo worth reporting rather than an empty answer.
-_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
-_TOOL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,127}$")
 
 
 class QueryError(ValueError):
@@ -293,20 +287,23 @@ class Summary:
 # -- validation -----------------------------------------------------------------------------------
 
 
+def _checked(kind: NameKind, value: object) -> str:
+    # Anything but a name an event could carry cannot have been recorded: a typo worth
+    # reporting rather than an empty answer.
+    try:
+        return check_name(kind, value)
+    except InvalidNameError as exc:
+        raise QueryError(str(exc)) from None
+
+
 def check_tenant(tenant_id: str) -> str:
     """``tenant_id`` if it is an identifier an event could carry, else QueryError."""
-    if not isinstance(tenant_id, str) or not _TENANT_RE.match(tenant_id):
-        raise QueryError(
-            f"not a tenant id: {tenant_id!r} (letters, digits and ._:@/- ; at most 128 characters)"
-        )
-    return tenant_id
+    return _checked(NameKind.TENANT, tenant_id)
 
 
 def check_operation_id(operation_id: str) -> str:
     """``operation_id`` if it has the ``op_`` + ULID shape, else QueryError."""
-    if not isinstance(operation_id, str) or not OPERATION_ID_RE.match(operation_id):
-        raise QueryError(f"not an operation id: {operation_id!r} (expected op_ + 26-char ULID)")
-    return operation_id
+    return _checked(NameKind.OPERATION_ID, operation_id)
 
 
 def parse_state(state: ExecutionState | str) -> ExecutionState:
@@ -321,9 +318,7 @@ def parse_state(state: ExecutionState | str) -> ExecutionState:
 
 
 def _check_tool(tool: str) -> str:
-    if not isinstance(tool, str) or not _TOOL_RE.match(tool):
-        raise QueryError(f"not a tool name: {tool!r}")
-    return tool
+    return _checked(NameKind.TOOL, tool)
 
 
 # -- queries --------------------------------------------------------------------------------------

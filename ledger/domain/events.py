@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from ledger.domain.ids import EVENT_ID_RE, OPERATION_ID_RE, SHA256_REF_RE
+from ledger.domain.ids import EVENT_ID_SHAPE, SHA256_REF_SHAPE
+from ledger.domain.names import SHAPES, NameKind
 from ledger.domain.policy import WILDCARD, PolicyChange, credential_key, grant_key
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.redact import looks_secret
@@ -79,20 +80,16 @@ def _names_a_secret(identifier: str) -> bool:
     return looks_secret(identifier, heuristic=False)
 
 
-Identifier = Annotated[
-    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
-]
-ToolName = Annotated[
-    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9._-]*$")
-]
+Identifier = Annotated[str, StringConstraints(pattern=f"^{SHAPES[NameKind.TENANT]}$")]
+ToolName = Annotated[str, StringConstraints(pattern=f"^{SHAPES[NameKind.TOOL]}$")]
 Destination = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$"),
+    StringConstraints(pattern=f"^{SHAPES[NameKind.DESTINATION]}$"),
     AfterValidator(_no_named_secret),
 ]
-OperationId = Annotated[str, StringConstraints(pattern=OPERATION_ID_RE.pattern)]
-EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_RE.pattern)]
-ContentRef = Annotated[str, StringConstraints(pattern=SHA256_REF_RE.pattern)]
+OperationId = Annotated[str, StringConstraints(pattern=f"^{SHAPES[NameKind.OPERATION_ID]}$")]
+EventId = Annotated[str, StringConstraints(pattern=f"^{EVENT_ID_SHAPE}$")]
+ContentRef = Annotated[str, StringConstraints(pattern=f"^{SHA256_REF_SHAPE}$")]
 ProviderRef = Annotated[
     str,
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@=+-]*$"),
@@ -315,14 +312,9 @@ MAX_POLICY_LIST = 64
 
 Principal = Annotated[
     str,
-    StringConstraints(
-        min_length=1, max_length=128, pattern=r"^(?:\*|[A-Za-z0-9][A-Za-z0-9._:@/-]*)$"
-    ),
+    StringConstraints(pattern=f"^(?:\\*|{SHAPES[NameKind.ACTOR]})$"),
 ]
-ToolOrWildcard = Annotated[
-    str,
-    StringConstraints(min_length=1, max_length=128, pattern=r"^(?:\*|[A-Za-z][A-Za-z0-9._-]*)$"),
-]
+ToolOrWildcard = Annotated[str, StringConstraints(pattern=f"^(?:\\*|{SHAPES[NameKind.TOOL]})$")]
 #: A credential's name in the tenant's secret store, never the secret itself.
 CredentialId = Annotated[
     str,

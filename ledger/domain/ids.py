@@ -11,9 +11,15 @@ from typing import Any
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 ULID_PATTERN = r"[0-9A-HJKMNP-TV-Z]{26}"
-OPERATION_ID_RE = re.compile(rf"^op_{ULID_PATTERN}$")
-EVENT_ID_RE = re.compile(rf"^ev_{ULID_PATTERN}$")
-SHA256_REF_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+OPERATION_ID_SHAPE = rf"op_{ULID_PATTERN}"
+EVENT_ID_SHAPE = rf"ev_{ULID_PATTERN}"
+SHA256_REF_SHAPE = r"sha256:[0-9a-f]{64}"
+# \Z, not $: "$" also matches before a final newline. Each pattern matches a whole id with
+# .match as with .fullmatch; pydantic's fields anchor the shapes themselves (its regex engine
+# has no \Z).
+OPERATION_ID_RE = re.compile(rf"{OPERATION_ID_SHAPE}\Z")
+EVENT_ID_RE = re.compile(rf"{EVENT_ID_SHAPE}\Z")
+SHA256_REF_RE = re.compile(rf"{SHA256_REF_SHAPE}\Z")
 
 
 class IdError(ValueError):

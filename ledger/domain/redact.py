@@ -12,8 +12,10 @@ texts legitimately and are never secrets. ``ledger.secrets.scrub`` adds the main
 from __future__ import annotations
 
 import binascii
+import functools
 import math
 import re
+import unicodedata
 from base64 import b64decode
 from collections import Counter
 from collections.abc import Callable
@@ -403,10 +405,133 @@ def _candidates(shape: _Shape, masked: str, lowered: str, present: set[str]) -> 
 
 
 def secret_spans(text: str, *, heuristic: bool = True) -> list[Span]:
-    """Sorted, non-overlapping ``(start, end)`` spans of ``text`` that hold credentials.
+    """Sorted, non-overlapping ``(start, end)`` spans of ``text`` that hold credentials, as
+    written and as read (:func:`folded`: a key split by a zero-width space, or spelt with
+    fullwidth or Cyrillic letters, is found, and its span covers what hid it).
 
     ``heuristic=False`` leaves out the shape that judges by randomness alone (long high-entropy
     tokens): identifier fields such as a provider's own call id are random by nature."""
+    found = _spans_as_written(text, heuristic=heuristic)
+    if text.isascii():
+        return found
+    # The whole text folded at C speed first; where each character came from is worked out,
+    # one character at a time, only for a text in which the folded reading finds something.
+    read = _fold(text)
+    if read == text:
+        return found
+    hidden = _spans_as_written(read, heuristic=heuristic)
+    if not hidden:
+        return found
+    read, origin = folded(text)
+    for start, end in _spans_as_written(read, heuristic=heuristic):
+        found.append((origin[start], origin[end - 1] + 1))
+    return merge_spans(found)
+
+
+# -- what a text says, not how it is spelt --------------------------------------------------------
+
+#: Cyrillic and Greek letters a reader takes for Latin ones (from Unicode's confusables, for the
+#: letters credentials are written in); NFKC already folds fullwidth and compatibility forms.
+_LOOKALIKES = str.maketrans(
+    {
+        "\u0430": "a",
+        "\u0435": "e",
+        "\u043e": "o",
+        "\u0440": "p",
+        "\u0441": "c",
+        "\u0443": "y",
+        "\u0445": "x",
+        "\u0456": "i",
+        "\u0458": "j",
+        "\u0455": "s",
+        "\u0501": "d",
+        "\u04bb": "h",
+        "\u04cf": "l",
+        "\u051b": "q",
+        "\u051d": "w",
+        "\u0410": "A",
+        "\u0412": "B",
+        "\u0415": "E",
+        "\u041a": "K",
+        "\u041c": "M",
+        "\u041d": "H",
+        "\u041e": "O",
+        "\u0420": "P",
+        "\u0421": "C",
+        "\u0422": "T",
+        "\u0425": "X",
+        "\u0423": "Y",
+        "\u0406": "I",
+        "\u0408": "J",
+        "\u0405": "S",
+        "\u0391": "A",
+        "\u0392": "B",
+        "\u0395": "E",
+        "\u0396": "Z",
+        "\u0397": "H",
+        "\u0399": "I",
+        "\u039a": "K",
+        "\u039c": "M",
+        "\u039d": "N",
+        "\u039f": "O",
+        "\u03a1": "P",
+        "\u03a4": "T",
+        "\u03a5": "Y",
+        "\u03a7": "X",
+        "\u03bf": "o",
+        "\u03b9": "i",
+        "\u03bd": "v",
+        "\u03c1": "p",
+        "\u03c4": "t",
+    }
+)
+#: Invisible characters that are not format characters (Cf) or marks (Mn, Me) by category.
+_INVISIBLE = "\u115f\u1160\u3164\uffa0"
+#: Where the characters a reader does not see live: the BMP, the supplementary planes' marks and
+#: the tag characters (U+E0000-U+E0FFF, invisible "ASCII" that has hidden text in prompts).
+_UNSEEN_RANGES = (range(0x80, 0x30000), range(0xE0000, 0xE1000))
+
+
+@functools.cache
+def _reading_table() -> dict[int, str | None]:
+    # Built on the first text that is not ASCII (about 0.1 s), not at import.
+    table: dict[int, str | None] = {
+        code: None
+        for span in _UNSEEN_RANGES
+        for code in span
+        if unicodedata.category(chr(code)) in ("Cf", "Mn", "Me")
+    }
+    table.update(dict.fromkeys(map(ord, _INVISIBLE)))
+    table.update(_LOOKALIKES)
+    return table
+
+
+def _fold(text: str) -> str:
+    # NFKD, not NFKC: decomposing never joins two characters into one, so the text folded
+    # whole equals the text folded character by character (folded), marks dropped either way.
+    return unicodedata.normalize("NFKD", text).translate(_reading_table())
+
+
+def folded(text: str) -> tuple[str, list[int]]:
+    """``text`` as a reader sees it, with where each of its characters came from: format
+    characters (zero-width spaces and joiners, the soft hyphen, bidirectional marks, tags),
+    combining marks and other invisible characters dropped; compatibility forms (fullwidth
+    letters, ligatures) decomposed by NFKD; lookalike letters of other scripts read as the
+    Latin ones."""
+    out: list[str] = []
+    origin: list[int] = []
+    for index, char in enumerate(text):
+        if char.isascii():
+            out.append(char)
+            origin.append(index)
+            continue
+        for part in _fold(char):
+            out.append(part)
+            origin.append(index)
+    return "".join(out), origin
+
+
+def _spans_as_written(text: str, *, heuristic: bool) -> list[Span]:
     own = own_id_spans(text)
     if own == [(0, len(text))]:
         return []  # exactly one of our ids (the usual provider_ref): nothing else in it

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from ledger.display import displayable
+from ledger.domain.display import displayable
 from ledger.settings import Settings
 from opledger import supervisor
 from opledger.stack.errors import StackError

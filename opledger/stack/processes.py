@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ledger.display import displayable
+from ledger.domain.display import displayable
 from ledger.secrets import scrub
 from opledger.stack.errors import StackError
 

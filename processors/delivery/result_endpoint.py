@@ -13,7 +13,6 @@ database does not answer. Nothing is logged of a result or a secret.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,15 +20,13 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ledger.destinations import DestinationStore
-from ledger.domain.ids import OPERATION_ID_RE
+from ledger.destinations import DestinationStore, new_secret
+from ledger.domain.names import NameKind, is_name
 from ledger.faults import fault_point
 from ledger.pg import DatabaseUnavailableError, retrying
 from ledger.result_fetch import fetch_signed
 from ledger.results import ResultStore
 
-_IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
-_DESTINATION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
 _PROBLEM = "application/problem+json"
 
 
@@ -61,15 +58,17 @@ class ResultEndpoint:
         self._pool = pool
         self._destinations = destinations
         self._results = results
+        #: secrets nobody holds, checked in place of those a destination does not have
+        self._decoys = (new_secret(), new_secret())
 
     def fetch(
         self, operation_id: str, query: Mapping[str, str], headers: Mapping[str, str]
     ) -> Answer:
         tenant = query.get("tenant", "")
         destination = query.get("destination", "")
-        if not OPERATION_ID_RE.fullmatch(operation_id):
+        if not is_name(NameKind.OPERATION_ID, operation_id):
             return _problem(400, "malformed-request", "the path does not name an operation id")
-        if not _IDENTIFIER.fullmatch(tenant) or not _DESTINATION.fullmatch(destination):
+        if not is_name(NameKind.TENANT, tenant) or not is_name(NameKind.DESTINATION, destination):
             return _problem(400, "malformed-request", "tenant and destination are required")
         try:
             return self._fetch(operation_id, tenant, destination, headers)
@@ -81,10 +80,14 @@ class ResultEndpoint:
     ) -> Answer:
         destination = self._destinations.get_many([(tenant, name)]).get((tenant, name))
         # Either secret during a rotation's overlap: a consumer switches when it is ready.
-        if destination is None or not any(
-            fetch_signed(key, headers, tenant, name, operation_id)
-            for key in destination.signing_secrets(datetime.now(UTC))
-        ):
+        secrets = () if destination is None else destination.signing_secrets(datetime.now(UTC))
+        # Every refusal costs the same checks: as many as a destination in a rotation's overlap
+        # makes, against decoys where it has fewer secrets or none. An unknown destination that
+        # skipped them answered 401 in 1.070 ms against 1.160 ms for a known one (an outside
+        # probe's medians), which told which destinations exist (decision 015 says it must not).
+        keys = (*secrets, *self._decoys)[: max(len(self._decoys), len(secrets))]
+        signed = [fetch_signed(key, headers, tenant, name, operation_id) for key in keys]
+        if destination is None or not any(signed[: len(secrets)]):
             return _problem(
                 401, "bad-signature", "not signed with the destination's secret in the last 5 min"
             )

@@ -481,9 +481,10 @@ def test_the_cli_waits_for_the_projector_and_says_when_none_runs(
 
 
 def test_without_the_tables_evaluate_refuses_and_says_why(isolated: Settings) -> None:
-    # A database no projector (nor `opledger db migrate`) has prepared.
+    # A database no projector (nor `opledger db migrate`) has prepared (CASCADE: the analysts' views
+    # and policies lean on these tables).
     with psycopg.connect(isolated.dsn, autocommit=True) as conn:
-        conn.execute("DROP TABLE policy_grants, revoked_credentials")
+        conn.execute("DROP TABLE policy_grants, revoked_credentials CASCADE")
     pool = open_pool(isolated.dsn, name="policy-test", max_size=1)
     try:
         decision = PolicyStore(pool).evaluate(

@@ -362,7 +362,7 @@ def test_result_store_is_tenant_scoped_and_validated(isolated: Settings) -> None
             store.put("tenant-a", b"x", "not a content type")
         with pytest.raises(ResultStoreError, match="limit"):
             store.put("tenant-a", bytes(MAX_RESULT_BYTES + 1))
-        with pytest.raises(ResultStoreError, match="tenant_id"):
+        with pytest.raises(ResultStoreError, match="not a tenant id"):
             store.put("", b"x")
 
 

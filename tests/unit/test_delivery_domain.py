@@ -316,12 +316,26 @@ SECRET = new_secret()
         ({"timeout_ms": 10}, "timeout"),
         ({"kind": Kind.QUEUE, "target": "bad topic!", "secret": None}, "topic"),
         ({"kind": Kind.QUEUE, "target": "results", "secret": "whsec_short"}, "fetch secret"),
+        # An outside probe's cases: each was stored by `destinations add` (and printed back raw
+        # by `destinations list`) while the SDK refused the same tenant.
+        ({"tenant_id": "x'--"}, "not a tenant id"),
+        ({"tenant_id": "t\x1b[2J"}, r"not a tenant id: 't\\x1b\[2J'"),
+        ({"tools": ["x\x1b]52;c;SGVsbG8=\x07\x1b[2J"]}, "not a tool name"),
+        ({"tools": ["send_email", "a\r\nforged line"]}, "not a tool name"),
+        ({"target": "https://hooks.example.com/a\r\nb"}, "printable ASCII"),
+        ({"target": "https://hooks.example.com/a b"}, "printable ASCII"),
+        ({"target": "https://hooks.example.com/\tevents"}, "printable ASCII"),
+        ({"target": "https://hooks.exämple.com/events"}, "xn--"),
+        ({"changed_by": "ops\x1b[2J"}, "not an actor id"),
+        ({"name": "crm\n"}, "not a destination name"),
     ],
 )
 def test_a_bad_destination_is_refused_with_the_reason(
     fields: dict[str, object], problem: str
 ) -> None:
     values: dict[str, object] = {
+        "tenant_id": "acme",
+        "changed_by": "cli:ann",
         "name": "crm",
         "kind": Kind.WEBHOOK,
         "target": "https://hooks.example.com/events",
@@ -338,6 +352,8 @@ def test_a_good_destination_passes_and_its_secret_is_never_in_its_repr() -> None
     from ledger.destinations import Destination  # noqa: PLC0415
 
     check(
+        tenant_id="acme",
+        changed_by="cli:ann",
         name="crm",
         kind=Kind.WEBHOOK,
         target="http://127.0.0.1:8080/events",
@@ -353,6 +369,8 @@ def test_a_good_destination_passes_and_its_secret_is_never_in_its_repr() -> None
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no secret", "fetch secret"])
 def test_a_queue_destination_passes_with_or_without_a_fetch_secret(secret: str | None) -> None:
     check(
+        tenant_id="acme",
+        changed_by="cli:ann",
         name="results-queue",
         kind=Kind.QUEUE,
         target="acme.results",

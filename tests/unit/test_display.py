@@ -8,7 +8,7 @@ import unicodedata
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ledger.display import displayable
+from ledger.domain.display import displayable
 from ledger.secrets import RedactingFilter
 
 ACTS = "\x1b\r\n\x07\x08\x7f\x9b\u202e\u2066\u2028"

@@ -7,12 +7,15 @@ import base64
 import hashlib
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from consumers.contract import ProblemError, parse_event
+from ledger.destinations import Destination, Kind, new_secret
 from ledger.pg import DatabaseUnavailableError
 from ledger.result_fetch import fetch_signed, fetch_target, result_url, sign_fetch
+from processors.delivery import result_endpoint
 from processors.delivery.payload import Delivery
 from processors.delivery.result_endpoint import ResultEndpoint
 
@@ -133,3 +136,52 @@ def test_the_endpoint_answers_503_while_the_database_does_not_answer() -> None:
     answer = endpoint.fetch(OP, {"tenant": "acme", "destination": "crm"}, headers)
     assert (answer.status, answer.content_type) == (503, "application/problem+json")
     assert endpoint.fetch("op_x", {"tenant": "acme", "destination": "crm"}, headers).status == 400
+
+
+class _Registry:
+    """A destination store holding ``destinations`` (no database)."""
+
+    def __init__(self, *destinations: Destination) -> None:
+        self._held = {(d.tenant_id, d.name): d for d in destinations}
+
+    def get_many(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Destination]:
+        return {k: self._held[k] for k in keys if k in self._held}
+
+
+_AN_HOUR_ON = datetime.now(UTC) + timedelta(hours=1)
+
+
+def _crm(**fields: Any) -> Destination:
+    return Destination(
+        "acme", "crm", Kind.WEBHOOK, "https://x", ("*",), 1000, True, None, secret=SECRET,
+        **fields,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "registry",
+    [
+        _Registry(),
+        _Registry(_crm()),
+        _Registry(_crm(previous_secret=OTHER, previous_secret_until=_AN_HOUR_ON)),
+    ],
+    ids=["unknown destination", "one secret", "in a rotation's overlap"],
+)  # fmt: skip
+def test_a_refusal_makes_the_same_checks_whether_the_destination_exists_or_not(
+    registry: _Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decision 015: a 401 must not tell which destinations exist. An unknown destination used
+    # to skip the signature checks, and answered measurably faster.
+    checked: list[str] = []
+    real = result_endpoint.fetch_signed
+
+    def counting(secret: str, *args: Any) -> bool:
+        checked.append(secret)
+        return real(secret, *args)
+
+    monkeypatch.setattr(result_endpoint, "fetch_signed", counting)
+    endpoint = result_endpoint.ResultEndpoint(None, registry, None)  # type: ignore[arg-type]
+    forged = sign_fetch([new_secret()], "acme", "crm", OP, datetime.now(UTC))
+    answer = endpoint.fetch(OP, {"tenant": "acme", "destination": "crm"}, forged)
+    assert answer.status == 401
+    assert len(checked) == 2 and len(set(checked)) == 2
