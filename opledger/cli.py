@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ledger.settings import Settings, SettingsError
 from opledger import (
@@ -179,8 +179,16 @@ REGISTRARS: list[Registrar] = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A refusal of the arguments says that nothing happened, so a caller need not wonder
+    whether a half-checked command wrote anything (every subcommand's parser is one of these)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(f"{message}\nnothing was recorded or changed")
+
+
 def build_parser(registrars: Sequence[Registrar] = REGISTRARS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="opledger",
         description="Event-sourced ledger of AI agent tool calls. "
         "Configured by OPLEDGER_* environment variables (see ledger/settings.py).",

@@ -55,3 +55,23 @@ def test_an_overlap_from_0_to_720_hours_is_taken(raw: str) -> None:
 
 def test_the_cli_bound_is_the_registrys() -> None:
     assert timedelta(hours=MAX_OVERLAP_HOURS) == MAX_ROTATION_OVERLAP
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ops", "cancel", "op_x", "--tenant", "acme", "--actor", "Alice Smith", "--reason", "r"],
+        ["destinations", "add", "--tenant", "t\x1b[2J", "--name", "crm"],
+        ["ops", "list"],
+    ],
+    ids=["bad-actor", "bad-tenant", "missing-tenant"],
+)
+def test_a_refused_command_line_says_nothing_was_recorded(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: opledger" in err
+    assert err.rstrip().endswith("nothing was recorded or changed")
