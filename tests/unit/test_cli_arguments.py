@@ -57,21 +57,13 @@ def test_the_cli_bound_is_the_registrys() -> None:
     assert timedelta(hours=MAX_OVERLAP_HOURS) == MAX_ROTATION_OVERLAP
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["ops", "cancel", "op_x", "--tenant", "acme", "--actor", "Alice Smith", "--reason", "r"],
-        ["destinations", "add", "--tenant", "t\x1b[2J", "--name", "crm"],
-        ["ops", "list"],
-    ],
-    ids=["bad-actor", "bad-tenant", "missing-tenant"],
-)
 def test_a_refused_command_line_says_nothing_was_recorded(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # A missing option, not a bad value (test_names covers those): the same last line.
     with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(argv)
+        build_parser().parse_args(["ops", "list"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: opledger" in err
+    assert "usage: opledger" in err and "--tenant" in err
     assert err.rstrip().endswith("nothing was recorded or changed")

@@ -176,3 +176,4 @@ def test_the_cli_refuses_the_probes_values_before_running(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\r" not in err and "not a" in err, err
+    assert err.rstrip().endswith("nothing was recorded or changed"), err
