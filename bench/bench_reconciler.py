@@ -201,7 +201,7 @@ def build_worker(settings: Settings, provider: HttpToolProvider, threads: int) -
         leases=LeaseStore(pool, process_identity("recover")),
         history=history,
         results=ResultStore(pool),
-        policy=PolicyStore(pool).evaluate_many,
+        policy=PolicyStore(pool, settings).evaluate_many,
         providers=[provider],
         metrics=Metrics.create(CollectorRegistry()),
         threads=threads,

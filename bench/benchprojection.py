@@ -15,6 +15,7 @@ from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import PolicyChange
 from ledger.log import KafkaTransport, OutgoingRecord, end_offsets
 from ledger.metrics import Metrics
+from ledger.policy_keys import ensure_local_keys
 from ledger.settings import Settings
 from processors.batch_reader import BatchProjector
 from projections.writer import PostgresProjection
@@ -63,6 +64,7 @@ def grant(settings: Settings, tenant: str, actor: str, tool: str, *, repeat_safe
         repeat_safe=repeat_safe,
         reason="benchmark",
     )
+    change = ensure_local_keys(settings).sign(change)  # as `opledger policy grant` signs it
     transport = KafkaTransport(settings)
     try:
         value = default_codec().encode(change)

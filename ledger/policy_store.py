@@ -20,7 +20,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ledger import pg
-from ledger.domain.events import PolicyChanged
+from ledger.domain.events import PolicyChanged, policy_signed_bytes
 from ledger.domain.policy import (
     CredentialRevocation,
     Grant,
@@ -31,6 +31,7 @@ from ledger.domain.policy import (
     evaluate,
 )
 from ledger.pg import retrying
+from ledger.policy_keys import TrustedKeys, trusted_keys
 from ledger.settings import Settings
 
 #: The refusal when the policy tables do not exist: the projector has never run against this
@@ -45,11 +46,14 @@ _GRANT_COLUMNS = (
     "g.repeat_safe, g.expires_at, g.credential_id, g.credential_scopes, g.credential_expires_at"
 )
 
+_SIGNED_COLUMNS = "g.updated_at, g.changed_by, g.reason, g.signed_by, g.signature"
+
 # The matching grants (at most four: actor or '*', tool or '*') and, beside each, the revocation
-# of the credential it names, if any: everything evaluate() needs, in one statement. A tenant's
+# of the credential it names, if any: everything evaluate() needs, in one statement, with what
+# the grant's signature covers (decision 032). A tenant's
 # revocations of credentials no matching grant names cannot change the decision and stay unread.
 _MATCHING = f"""
-SELECT {_GRANT_COLUMNS}, r.version
+SELECT {_GRANT_COLUMNS}, r.version, {_SIGNED_COLUMNS}
   FROM policy_grants g
   LEFT JOIN revoked_credentials r
     ON r.tenant_id = g.tenant_id AND r.credential_id = g.credential_id
@@ -57,7 +61,7 @@ SELECT {_GRANT_COLUMNS}, r.version
 """
 
 _CURRENT = f"""
-SELECT {_GRANT_COLUMNS}, g.updated_at, g.changed_by, g.reason, r.version
+SELECT {_GRANT_COLUMNS}, r.version, {_SIGNED_COLUMNS}
   FROM policy_grants g
   LEFT JOIN revoked_credentials r
     ON r.tenant_id = g.tenant_id AND r.credential_id = g.credential_id
@@ -89,8 +93,47 @@ def _grant(row: Sequence[Any]) -> Grant:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SignedGrant:
+    """A projected grant row with what its signature covers, for :meth:`TrustedKeys.refusal`."""
+
+    grant: Grant
+    signed_bytes: bytes
+    signed_by: str | None
+    signature: str | None
+
+
 #: What evaluate() reads for one (tenant, actor, tool); None: the tables do not exist.
-MatchingRows = tuple[list[Grant], list[CredentialRevocation]] | None
+MatchingRows = tuple[list[SignedGrant], list[CredentialRevocation]] | None
+
+
+def _signed(row: Sequence[Any]) -> SignedGrant:
+    """A :data:`_MATCHING` row as a grant with its signature's coverage."""
+    grant = _grant(row)
+    updated_at, changed_by, reason, signed_by, signature = row[12:17]
+    return SignedGrant(
+        grant,
+        policy_signed_bytes(
+            event_id=grant.version,
+            tenant_id=grant.tenant_id,
+            actor_id=changed_by,
+            occurred_at=updated_at,
+            change=(PolicyChange.REVOKE if grant.revoked else PolicyChange.GRANT).value,
+            principal=grant.principal,
+            tool_name=grant.tool_name,
+            # The row's arrays keep the record's order, which the signature covers.
+            destinations=row[5],
+            repeat_safe=grant.repeat_safe,
+            expires_at=grant.expires_at,
+            credential_id=grant.credential_id,
+            credential_scopes=row[9],
+            credential_expires_at=grant.credential_expires_at,
+            reason=reason,
+            signed_by=signed_by,
+        ),
+        signed_by,
+        signature,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +146,8 @@ class GrantRow:
     reason: str | None
     #: the version of the revocation of the grant's credential, if it is revoked
     credential_revoked_by: str | None
+    #: the row with what its signature covers (who signed it, and whether that holds)
+    signed: SignedGrant
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +185,7 @@ def read_matching(
         rows = conn.execute(_MATCHING, (tenant_id, actor_id, tool_name)).fetchall()
     except psycopg.errors.UndefinedTable:
         return None
-    grants = [_grant(row) for row in rows]
+    grants = [_signed(row) for row in rows]
     revoked = [CredentialRevocation(row[0], row[8], row[11]) for row in rows if row[11] is not None]
     return grants, revoked
 
@@ -162,7 +207,7 @@ def read_current(
     except psycopg.errors.UndefinedTable:
         return None
     return CurrentPolicy(
-        grants=[GrantRow(_grant(r), r[11], r[12], r[13], r[14]) for r in grants],
+        grants=[GrantRow(_grant(r), r[12], r[13], r[14], r[11], _signed(r)) for r in grants],
         revoked_credentials=[
             RevokedCredentialRow(CredentialRevocation(r[0], r[1], r[2]), r[3], r[4], r[5])
             for r in revoked
@@ -209,6 +254,7 @@ class PolicyStore:
     def __init__(
         self,
         pool: ConnectionPool[Any],
+        settings: Settings,
         *,
         cache_ttl_s: float = 0.0,
         cache_size: int = 1024,
@@ -217,6 +263,7 @@ class PolicyStore:
         if cache_ttl_s < 0 or cache_size < 1:
             raise ValueError("cache_ttl_s must be >= 0 and cache_size >= 1")
         self._pool = pool
+        self._settings = settings
         self._ttl_s = cache_ttl_s
         self._size = cache_size
         self._clock = clock
@@ -237,10 +284,7 @@ class PolicyStore:
             )
             if use_cache:
                 self._remember(subject, rows)
-        if rows is None:
-            return PolicyDecision(False, NO_PROJECTION, None)
-        grants, revoked = rows
-        return evaluate(grants, request, revoked)
+        return self._decide(rows, request, self._trusted())
 
     def evaluate_many(self, requests: Sequence[PolicyRequest]) -> list[PolicyDecision]:
         """The decisions for ``requests`` (in order), reading each distinct (tenant, actor,
@@ -254,15 +298,30 @@ class PolicyStore:
             return {subject: read_matching(conn, *subject) for subject in subjects}
 
         rows = retrying(self._pool, "read the policy", work)
-        decisions = []
-        for request in requests:
-            matching = rows[(request.tenant_id, request.actor_id, request.tool_name)]
-            if matching is None:
-                decisions.append(PolicyDecision(False, NO_PROJECTION, None))
-                continue
-            grants, revoked = matching
-            decisions.append(evaluate(grants, request, revoked))
-        return decisions
+        keys = self._trusted()
+        return [
+            self._decide(rows[(r.tenant_id, r.actor_id, r.tool_name)], r, keys) for r in requests
+        ]
+
+    @staticmethod
+    def _decide(rows: MatchingRows, request: PolicyRequest, keys: TrustedKeys) -> PolicyDecision:
+        if rows is None:
+            return PolicyDecision(False, NO_PROJECTION, None)
+        signed, revoked = rows
+        # Every grant that could match is checked, not only the one that would decide: a
+        # specific revocation altered into a grant, or removed from its signature, must not
+        # hand the decision to a broader grant.
+        for row in signed:
+            refusal = keys.refusal(row.signed_bytes, row.signed_by, row.signature)
+            if refusal is not None:
+                g = row.grant
+                return PolicyDecision(
+                    False,
+                    f"the projected grant for actor {g.principal}, tool {g.tool_name} is not "
+                    f"the operator's: {refusal}",
+                    g.version,
+                )
+        return evaluate([row.grant for row in signed], request, revoked)
 
     def current(
         self, tenant_id: str, *, actor_id: str | None = None, tool_name: str | None = None
@@ -273,6 +332,9 @@ class PolicyStore:
             "read the policy",
             lambda conn: read_current(conn, tenant_id, actor_id=actor_id, tool_name=tool_name),
         )
+
+    def _trusted(self) -> TrustedKeys:
+        return trusted_keys(self._settings)
 
     def _cached(self, subject: tuple[str, str, str]) -> tuple[MatchingRows] | None:
         """``(rows,)`` while a fresh entry exists, else None (rows themselves may be None)."""

@@ -27,6 +27,7 @@ from ledger.settings import Settings
 
 if TYPE_CHECKING:
     from ledger.domain.events import PolicyChanged
+    from ledger.policy_keys import TrustedKeys
     from ledger.policy_store import CurrentPolicy
 
 #: The change was written and the projector has folded it (or ``--no-wait``), or ``show`` ran.
@@ -167,6 +168,20 @@ def register(commands: Any) -> None:
     show.add_argument("--tool", help="only grants that apply to this tool (its own and '*')")
     show.set_defaults(handler="opledger.policy:show_command")
 
+    key = actions.add_parser(
+        "key",
+        help="the operator's signing key: create one, or show the keys changes must be signed by",
+        description="Only policy changes signed by a trusted operator key count (decision 032). "
+        "`create` writes a new private key (mode 0600) and prints its public line, to be added "
+        "to the trusted keys file of every process (OPLEDGER_POLICY_TRUSTED_KEYS_FILE).",
+    )
+    key_actions = key.add_subparsers(dest="key_action", required=True, metavar="KEY_ACTION")
+    create = key_actions.add_parser("create", help="write a new private key; print its public line")
+    create.add_argument("--out", required=True, metavar="PATH", help="where (never overwritten)")
+    create.set_defaults(handler="opledger.policy:key_create_command")
+    trusted = key_actions.add_parser("trusted", help="list the trusted keys and the signing key")
+    trusted.set_defaults(handler="opledger.policy:key_trusted_command")
+
 
 def _writing_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -240,7 +255,49 @@ def show_command(args: argparse.Namespace, settings: Settings) -> int:
             "the policy tables do not exist yet: run `opledger db migrate` or start the "
             "projector (`opledger stack up`)"
         )
-    _print_policy(args, policy)
+    from ledger.policy_keys import PolicyKeyError, trusted_keys  # noqa: PLC0415
+
+    try:
+        keys = trusted_keys(settings)
+    except PolicyKeyError as exc:
+        return _failed(str(exc))
+    _print_policy(args, policy, keys)
+    return EXIT_OK
+
+
+def key_create_command(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger policy key create``."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from ledger.policy_keys import OperatorKey  # noqa: PLC0415
+
+    key = OperatorKey.generate()
+    try:
+        key.save(Path(args.out))
+    except FileExistsError:
+        return _usage(f"{args.out} exists: a key is never overwritten; choose another path")
+    except OSError as exc:
+        return _failed(f"cannot write {args.out}: {exc.strerror}")
+    print(f"private key {key.id} written to {args.out} (mode 0600)")
+    print("add this line to the trusted keys file of every opledger process:")
+    print(key.public_line)
+    return EXIT_OK
+
+
+def key_trusted_command(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger policy key trusted``."""
+    from ledger.policy_keys import PolicyKeyError, operator_key, trusted_keys  # noqa: PLC0415
+
+    try:
+        keys = trusted_keys(settings)
+    except PolicyKeyError as exc:
+        return _failed(str(exc))
+    print(f"trusted keys ({keys.source}): {', '.join(keys.ids) or 'none: every grant is refused'}")
+    try:
+        signing = operator_key(settings).id
+    except PolicyKeyError as exc:
+        signing = f"none ({exc})"
+    print(f"signing key ({settings.policy_signing_key_path}): {signing}")
     return EXIT_OK
 
 
@@ -445,7 +502,12 @@ def _subject(change: PolicyChanged) -> str:
 def _write_and_wait(settings: Settings, change: PolicyChanged, wait_s: float | None) -> int:
     from ledger.errors import DeliveryError, DeliveryTimeoutError  # noqa: PLC0415
     from ledger.log import LogWriter  # noqa: PLC0415  # handlers only
+    from ledger.policy_keys import PolicyKeyError, operator_key  # noqa: PLC0415
 
+    try:
+        change = operator_key(settings).sign(change)
+    except PolicyKeyError as exc:
+        return _failed(f"nothing was written: {exc}")
     writer = LogWriter.connect(settings, "policy")
     try:
         positions = writer.append([change])
@@ -461,7 +523,7 @@ def _write_and_wait(settings: Settings, change: PolicyChanged, wait_s: float | N
     where = ", ".join(f"{t} partition {p} offset {o}" for t, p, o in positions)
     verb = {"GRANT": "granted", "REVOKE": "revoked", "REVOKE_CREDENTIAL": "revoked"}
     print(f"{verb[change.change.value]}: {_subject(change)}")
-    print(f"policy version {change.event_id} ({where})")
+    print(f"policy version {change.event_id} ({where}), signed by {change.signed_by}")
     if wait_s is None:
         print("not waiting for the projector (--no-wait): it counts once a projector folds it")
         return EXIT_OK
@@ -597,7 +659,12 @@ def _when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.isoformat(sep=" ", timespec="seconds")
 
 
-def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
+def _short_key(key_id: str | None) -> str:
+    """A key id as `policy key trusted` lists it, cut to what tells keys apart in a table."""
+    return "no key" if key_id is None else key_id[: len("ed25519:") + 12]
+
+
+def _print_policy(args: argparse.Namespace, policy: CurrentPolicy, keys: TrustedKeys) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
@@ -605,7 +672,7 @@ def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=240)  # piped: never truncate ids
+        console = Console(width=300)  # piped: never truncate ids
     now = datetime.now(UTC)
     filters = [f"tenant {args.tenant}"]
     if args.actor:
@@ -625,12 +692,16 @@ def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
         "credential expires",
         "version",
         "changed",
+        "signed by",
         "reason",
     ):
         table.add_column(column, no_wrap=column not in ("reason", "destinations", "scopes"))
     for row in policy.grants:
         g = row.grant
-        if g.revoked:
+        refusal = keys.refusal(row.signed.signed_bytes, row.signed.signed_by, row.signed.signature)
+        if refusal is not None:
+            state = "[red]not the operator's: refused[/]"
+        elif g.revoked:
             state = "[red]revoked[/]"
         elif g.expires_at is not None and g.expires_at <= now:
             state = "[yellow]expired[/]"
@@ -652,6 +723,7 @@ def _print_policy(args: argparse.Namespace, policy: CurrentPolicy) -> None:
             _when(g.credential_expires_at),
             g.version,
             f"{_when(row.updated_at)} by {shown(row.changed_by)}",
+            _short_key(row.signed.signed_by),
             shown(row.reason or ""),
         )
     console.print(table)

@@ -68,7 +68,7 @@ def build(
         results=ResultStore(pool),
         # Reconciliation re-checks policy as it is now (seed rule 3): read in each pass, once
         # per subject, right before its decisions; never cached.
-        policy=PolicyStore(pool).evaluate_many,
+        policy=PolicyStore(pool, settings).evaluate_many,
         providers=load_providers(settings, default_providers),
         metrics=Metrics.create(registry),
     )

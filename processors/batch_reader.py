@@ -55,6 +55,7 @@ from ledger.kafka import (
 )
 from ledger.log import RawWriter, new_consumer
 from ledger.metrics import Metrics
+from ledger.policy_keys import trusted_keys
 from ledger.records import (
     Coordinates,
     DeadLetter,
@@ -109,6 +110,9 @@ TOPIC_KINDS = {
     "delivery": frozenset({"delivery"}),
     "policy": frozenset({"policy"}),
 }
+#: Why a policy change may not count, or None when it may (``ledger.policy_keys``).
+PolicyRefusal = Callable[[PolicyChanged], str | None]
+
 #: How the policy topic's name ends (``Settings.policy_topic``: the prefix, then this).
 POLICY_TOPIC_SUFFIX = ".policy.v1"
 
@@ -123,8 +127,11 @@ def classify(
     value: bytes | None,
     timestamp_ms: int,
     partitions: int | None = None,
+    policy_refusal: PolicyRefusal = lambda _change: "no trusted operator keys configured",
 ) -> SourcedEvent | SourcedPolicyChange | DeadLetter:
     """Decode one raw record at the edge; anything unusable becomes a dead letter with a reason.
+    ``policy_refusal`` says why a policy change may not count (None: it may); by default none
+    does (decision 032: only changes signed by a trusted operator key are folded).
 
     ``partitions`` (the operation topics' partition count) also refuses an operation record
     that is not on the partition its key maps to."""
@@ -136,7 +143,9 @@ def classify(
     except DecodeError as exc:
         return DeadLetter(coords, str(exc), key, value, timestamp_ms)
     if topic.endswith(POLICY_TOPIC_SUFFIX):
-        return _classify_policy(coords, event, key, value, timestamp_ms)
+        return _classify_policy(
+            coords, event, key, value, timestamp_ms, policy_refusal=policy_refusal
+        )
     machine = "execution" if ".execution." in topic else "delivery"
     # (isinstance only narrows the type: a policy change's kind is in neither set.)
     if event.kind not in TOPIC_KINDS[machine] or isinstance(event, PolicyChanged):
@@ -170,6 +179,8 @@ def _classify_policy(
     key: bytes | None,
     value: bytes,
     timestamp_ms: int,
+    *,
+    policy_refusal: PolicyRefusal,
 ) -> SourcedPolicyChange | DeadLetter:
     if not isinstance(event, PolicyChanged):
         reason = f"{event.kind} event on the policy topic"
@@ -185,6 +196,11 @@ def _classify_policy(
             value,
             timestamp_ms,
         )
+    # Anyone the broker lets write the topic could grant itself any tool: a change counts only
+    # when the operator's key signed it. Refused, it is dead-lettered and counted, never folded.
+    refusal = policy_refusal(event)
+    if refusal is not None:
+        return DeadLetter(coords, f"policy change refused: {refusal}", key, value, timestamp_ms)
     return SourcedPolicyChange(coords, event, timestamp_ms)
 
 
@@ -204,6 +220,11 @@ class _Read:
 class BatchProjector:
     """Reads the execution, delivery and policy topics in batches and hands each batch to a
     :class:`ProjectionSink`."""
+
+    def _policy_refusal(self, change: PolicyChanged) -> str | None:
+        # Read per change (a stat when the file is unchanged): a key added to or removed from
+        # the trusted file counts from the next change on, without a restart.
+        return trusted_keys(self._settings).refuses(change)
 
     def __init__(
         self,
@@ -390,6 +411,7 @@ class BatchProjector:
                 value=value,
                 timestamp_ms=timestamp_ms,
                 partitions=self._settings.partitions,
+                policy_refusal=self._policy_refusal,
             )
             reads.append(_Read(item, key, value))
         return reads

@@ -115,7 +115,7 @@ def _policy_check(pool: Any, settings: Settings) -> tuple[PolicyCheck, PolicyFre
     """The policy store's evaluation over ``pool``, behind the freshness gate of decision 022:
     a view that may lack a revocation on the topic refuses rather than allows (the probe it
     needs is returned too, for the recorder to close)."""
-    store = PolicyStore(pool)
+    store = PolicyStore(pool, settings)
     freshness = PolicyFreshness(settings)
 
     def check(request: PolicyRequest) -> PolicyDecision:

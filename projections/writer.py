@@ -841,6 +841,8 @@ _POLICY_HISTORY_COLUMNS = (
     "credential_expires_at",
     "reason",
     "occurred_at",
+    "signed_by",
+    "signature",
 )
 _GRANT_COLUMNS = (
     "tenant_id",
@@ -857,6 +859,8 @@ _GRANT_COLUMNS = (
     "updated_at",
     "changed_by",
     "reason",
+    "signed_by",
+    "signature",
 )
 _REVOKED_CREDENTIAL_COLUMNS = (
     "tenant_id",
@@ -865,6 +869,8 @@ _REVOKED_CREDENTIAL_COLUMNS = (
     "version",
     "revoked_by",
     "reason",
+    "signed_by",
+    "signature",
 )
 
 
@@ -918,6 +924,8 @@ def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChang
                 e.credential_expires_at,
                 e.reason,
                 e.occurred_at,
+                e.signed_by,
+                e.signature,
             )
         )
         if e.change is PolicyChange.REVOKE_CREDENTIAL:
@@ -928,6 +936,8 @@ def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChang
                 e.event_id,
                 e.actor_id,
                 e.reason,
+                e.signed_by,
+                e.signature,
             )
             continue
         grants[e.subject_key()] = (
@@ -945,6 +955,8 @@ def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChang
             e.occurred_at,
             e.actor_id,
             e.reason,
+            e.signed_by,
+            e.signature,
         )
     cur.executemany(_INSERT_POLICY_HISTORY, history)
     if grants:

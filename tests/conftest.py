@@ -158,6 +158,6 @@ def store(isolated: Settings) -> Iterator[PolicyStore]:
     """A policy store on the isolated database."""
     pool = open_pool(isolated.dsn, name="policy-test", max_size=2)
     try:
-        yield PolicyStore(pool)
+        yield PolicyStore(pool, isolated)
     finally:
         pool.close()

@@ -7,6 +7,7 @@ One record type per state machine, with the state it moved to. Field names and m
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
@@ -22,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from ledger.domain.ids import EVENT_ID_SHAPE, SHA256_REF_SHAPE
+from ledger.domain.ids import EVENT_ID_SHAPE, SHA256_REF_SHAPE, canonical_json
 from ledger.domain.names import SHAPES, NameKind
 from ledger.domain.policy import WILDCARD, PolicyChange, credential_key, grant_key
 from ledger.domain.reconcile import Decision, LookupStatus
@@ -334,6 +335,64 @@ def _distinct(values: tuple[str, ...]) -> tuple[str, ...]:
     return values
 
 
+#: ``ed25519:`` and the first 16 bytes of SHA-256 of the raw public key, in hex.
+SigningKeyId = Annotated[str, StringConstraints(pattern=r"^ed25519:[0-9a-f]{32}$")]
+#: An Ed25519 signature (64 bytes) as unpadded URL-safe base64.
+SignatureText = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")]
+
+
+def _micros(moment: datetime | None) -> int | None:
+    if moment is None:
+        return None
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def policy_signed_bytes(
+    *,
+    event_id: str,
+    tenant_id: str,
+    actor_id: str,
+    occurred_at: datetime,
+    change: str,
+    principal: str,
+    tool_name: str,
+    destinations: Sequence[str],
+    repeat_safe: bool,
+    expires_at: datetime | None,
+    credential_id: str | None,
+    credential_scopes: Sequence[str],
+    credential_expires_at: datetime | None,
+    reason: str | None,
+    signed_by: str | None,
+) -> bytes:
+    """The bytes a policy change's signature covers, from its fields: the record's, or a
+    projected row's (``ledger.policy_store`` checks those again). Instants count in
+    microseconds, as Avro and PostgreSQL keep them. Never change this format."""
+    return canonical_json(
+        [
+            "opledger.policy.v1",
+            event_id,
+            tenant_id,
+            actor_id,
+            _micros(occurred_at),
+            change,
+            principal,
+            tool_name,
+            list(destinations),
+            repeat_safe,
+            _micros(expires_at),
+            credential_id,
+            list(credential_scopes),
+            _micros(credential_expires_at),
+            reason,
+            signed_by,
+        ]
+    )
+
+
 class PolicyChanged(BaseModel):
     """A change of a tenant's policy, keyed on the compacted policy topic by its subject
     (:meth:`subject_key`): a grant of ``tool_name`` to ``principal`` (GRANT), its revocation
@@ -366,6 +425,10 @@ class PolicyChanged(BaseModel):
     ] = ()
     credential_expires_at: Timestamp | None = None
     reason: ErrorText | None = None
+    #: the id of the operator key that signed the change (decision 032); None: unsigned, refused
+    signed_by: SigningKeyId | None = None
+    #: the key's Ed25519 signature over :meth:`signed_bytes`, unpadded URL-safe base64
+    signature: SignatureText | None = None
 
     @model_validator(mode="after")
     def _change_needs(self) -> PolicyChanged:
@@ -396,6 +459,28 @@ class PolicyChanged(BaseModel):
         if self.principal != WILDCARD or self.tool_name != WILDCARD:
             raise ValueError("REVOKE_CREDENTIAL applies to every grant: principal and tool '*'")
         return self
+
+    def signed_bytes(self) -> bytes:
+        """What the operator's key signs: every field of the change but the signature, the key id
+        included (a signature cannot be moved to another key's name). Never change this format:
+        changes on the topic were signed over it."""
+        return policy_signed_bytes(
+            event_id=self.event_id,
+            tenant_id=self.tenant_id,
+            actor_id=self.actor_id,
+            occurred_at=self.occurred_at,
+            change=self.change.value,
+            principal=self.principal,
+            tool_name=self.tool_name,
+            destinations=self.destinations,
+            repeat_safe=self.repeat_safe,
+            expires_at=self.expires_at,
+            credential_id=self.credential_id,
+            credential_scopes=self.credential_scopes,
+            credential_expires_at=self.credential_expires_at,
+            reason=self.reason,
+            signed_by=self.signed_by,
+        )
 
     def subject_key(self) -> bytes:
         """The record's key on the policy topic: the subject it decides."""

@@ -56,7 +56,7 @@ from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
 from processors.recovery.worker import RecoveryWorker
 from producers import TrackedOperation, TransitionRecorder
-from tests.support import env_for, produce_raw, project_in_process, read_all
+from tests.support import env_for, produce_raw, project_in_process, read_all, signed
 
 X = ExecutionState
 TOOL = "send_email"
@@ -708,7 +708,8 @@ def test_hostile_policy_records_are_dead_lettered_or_folded_and_the_fold_goes_on
     for key, value in hostile:
         produce_raw(isolated, isolated.policy_topic, key, value)
     for good in (far, past):
-        produce_raw(isolated, isolated.policy_topic, good.subject_key(), codec.encode(good))
+        good_signed = signed(isolated, good)
+        produce_raw(isolated, isolated.policy_topic, good.subject_key(), codec.encode(good_signed))
     project_in_process(isolated)
     with psycopg.connect(isolated.dsn) as conn:
         dead = conn.execute(
@@ -722,7 +723,7 @@ def test_hostile_policy_records_are_dead_lettered_or_folded_and_the_fold_goes_on
     assert grants == [("acme", "far", LATEST), ("acme", "past", EARLIEST)]
     pool = open_pool(isolated.dsn, name="hostile-policy", max_size=2)
     try:
-        store = PolicyStore(pool)
+        store = PolicyStore(pool, isolated)
 
         def ask(tool: str, tenant: str = "acme") -> PolicyDecision:
             return store.evaluate(

@@ -33,6 +33,7 @@ from tests.support import (
     produce,
     producer,
     project_in_process,
+    signed,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +58,7 @@ def _revoke(
         occurred_at=at,
         **fields,
     )
+    change = signed(settings, change)
     p = producer(settings)
     p.produce(settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change))
     assert p.flush(30) == 0

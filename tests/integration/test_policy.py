@@ -42,6 +42,7 @@ from tests.support import (
     policy_change,
     produce,
     project_in_process,
+    signed,
 )
 
 TENANT = "acme"
@@ -51,8 +52,10 @@ TOOL = "send_email"
 
 
 def _write(settings: Settings, *changes: PolicyChanged, key: bytes | None = None) -> None:
+    """``changes`` signed by the stack's operator key, as `opledger policy` writes them."""
     producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "acks": "all"})
-    for change in changes:
+    for unsigned in changes:
+        change = signed(settings, unsigned)
         producer.produce(
             settings.policy_topic,
             key=change.subject_key() if key is None else key,
@@ -487,7 +490,7 @@ def test_without_the_tables_evaluate_refuses_and_says_why(isolated: Settings) ->
         conn.execute("DROP TABLE policy_grants, revoked_credentials CASCADE")
     pool = open_pool(isolated.dsn, name="policy-test", max_size=1)
     try:
-        decision = PolicyStore(pool).evaluate(
+        decision = PolicyStore(pool, isolated).evaluate(
             PolicyRequest(TENANT, ACTOR, TOOL, Purpose.DISPATCH, datetime.now(UTC))
         )
     finally:
@@ -503,8 +506,8 @@ def test_the_dispatch_cache_allows_only_its_documented_staleness(isolated: Setti
     pool = open_pool(isolated.dsn, name="policy-cache-test", max_size=2)
     clock = [0.0]
     try:
-        cached = PolicyStore(pool, cache_ttl_s=30.0, clock=lambda: clock[0])
-        small = PolicyStore(pool, cache_ttl_s=30.0, cache_size=1, clock=lambda: clock[0])
+        cached = PolicyStore(pool, isolated, cache_ttl_s=30.0, clock=lambda: clock[0])
+        small = PolicyStore(pool, isolated, cache_ttl_s=30.0, cache_size=1, clock=lambda: clock[0])
         assert _ask(cached).allowed  # read and cached
         assert _ask(small).allowed
         assert _ask(small, actor="agent-8").allowed  # evicts agent-7 from the one-entry cache
@@ -563,7 +566,8 @@ def test_evaluate_reads_grants_and_credential_revocations_in_one_statement(
         rows = read_matching(counting, TENANT, ACTOR, TOOL)  # type: ignore[arg-type]
     assert counting.statements == 1
     assert rows is not None
-    grants, revoked = rows
+    signed, revoked = rows
+    grants = [row.grant for row in signed]
     assert sorted((g.principal, g.tool_name, g.credential_id) for g in grants) == [
         ("*", TOOL, "k2"),
         (ACTOR, "*", None),

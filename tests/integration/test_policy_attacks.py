@@ -41,7 +41,7 @@ from processors.batch_reader import BatchProjector
 from producers import TransitionRecorder
 from projections.writer import PostgresProjection
 from tests.delivery_support import ScriptedReceiver, SteppedDeliveryRig, keys_seen
-from tests.support import env_for, grant, policy_change, project_in_process
+from tests.support import env_for, grant, policy_change, project_in_process, signed
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,9 @@ SECRET = "whsec_" + base64.b64encode(b"policy-attacks-0123456789").decode()
 
 
 def _change(change: PolicyChange = PolicyChange.GRANT, **fields: Any) -> PolicyChanged:
-    return policy_change(change, actor_id="test:attacker", **fields)
+    # Signed by the stack's operator key: these attacks are on the topic's order and keys, by
+    # a writer who holds the key (decision 032 refuses every change of one who does not).
+    return signed(Settings.from_env(), policy_change(change, actor_id="test:attacker", **fields))
 
 
 def _raw(settings: Settings, *records: tuple[bytes | None, bytes | None]) -> None:

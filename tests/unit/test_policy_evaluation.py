@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +31,9 @@ from ledger.domain.policy import (
     grant_key,
 )
 from ledger.domain.states import ExecutionState
+from ledger.policy_keys import OperatorKey, PolicyKeyError, TrustedKeys, ensure_local_keys
 from ledger.records import DeadLetter, SourcedEvent, SourcedPolicyChange
+from ledger.settings import Settings
 from opledger import policy as cli_policy
 from opledger.cli import build_parser
 from processors.batch_reader import classify
@@ -414,6 +418,10 @@ POLICY_TOPIC = "acme-test.policy.v1"
 EXECUTION_TOPIC = "acme-test.execution.v1"
 
 
+OPERATOR = OperatorKey.generate()
+TRUSTED = TrustedKeys([OPERATOR.public])
+
+
 def _classify(topic: str, key: bytes | None, value: bytes | None) -> Any:
     return classify(
         default_codec(),
@@ -423,13 +431,115 @@ def _classify(topic: str, key: bytes | None, value: bytes | None) -> Any:
         key=key,
         value=value,
         timestamp_ms=T0_MS,
+        policy_refusal=TRUSTED.refuses,
     )
 
 
 def test_a_policy_record_keyed_by_its_subject_is_accepted_on_the_policy_topic() -> None:
-    change = _change()
+    change = OPERATOR.sign(_change())
     item = _classify(POLICY_TOPIC, change.subject_key(), default_codec().encode(change))
     assert isinstance(item, SourcedPolicyChange) and item.event == change
+    assert change.signed_by == OPERATOR.id and change.signature is not None
+
+
+def _resigned(change: PolicyChanged, **fields: Any) -> PolicyChanged:
+    """``change`` with ``fields`` changed after it was signed: what a forger who has a signed
+    record but not the key can write."""
+    return PolicyChanged.model_validate({**change.model_dump(), **fields})
+
+
+@pytest.mark.parametrize(
+    ("forged", "because"),
+    [
+        # the probe's forgery: written with the project's own codec, no key at all
+        (lambda: _change(principal="*", tool_name="*", repeat_safe=True), "not signed"),
+        (lambda: OperatorKey.generate().sign(_change()), "not a trusted operator key"),
+        # a signed grant whose content was changed afterwards, field by field
+        (lambda: _resigned(OPERATOR.sign(_change()), tool_name="wire_money"), "does not verify"),
+        (lambda: _resigned(OPERATOR.sign(_change()), principal="*"), "does not verify"),
+        (lambda: _resigned(OPERATOR.sign(_change()), repeat_safe=True), "does not verify"),
+        (
+            lambda: _resigned(OPERATOR.sign(_change()), destinations=("webhook:evil",)),
+            "does not verify",
+        ),
+        (lambda: _resigned(OPERATOR.sign(_change()), actor_id="cli:ciso"), "does not verify"),
+        (lambda: _resigned(OPERATOR.sign(_change()), reason="approved"), "does not verify"),
+        (
+            lambda: _resigned(
+                OPERATOR.sign(_change()), occurred_at=datetime(2030, 1, 1, tzinfo=UTC)
+            ),
+            "does not verify",
+        ),
+        # a valid signature moved to another key's name
+        (
+            lambda: _resigned(OPERATOR.sign(_change()), signed_by=OperatorKey.generate().id),
+            "not a trusted operator key",
+        ),
+        # the signature of one change on another
+        (
+            lambda: _resigned(
+                OPERATOR.sign(_change(tool_name="other")),
+                signature=OPERATOR.sign(_change()).signature,
+            ),
+            "does not verify",
+        ),
+    ],
+)
+def test_a_policy_change_not_signed_by_a_trusted_key_is_a_dead_letter(
+    forged: Any, because: str
+) -> None:
+    change = forged()
+    item = _classify(POLICY_TOPIC, change.subject_key(), default_codec().encode(change))
+    assert isinstance(item, DeadLetter), item
+    assert item.reason.startswith("policy change refused: ") and because in item.reason
+
+
+def test_without_trusted_keys_no_policy_change_counts() -> None:
+    change = OPERATOR.sign(_change())
+    item = classify(
+        default_codec(),
+        topic=POLICY_TOPIC,
+        partition=0,
+        offset=7,
+        key=change.subject_key(),
+        value=default_codec().encode(change),
+        timestamp_ms=T0_MS,
+    )
+    assert isinstance(item, DeadLetter) and "no trusted operator keys" in item.reason
+    assert TrustedKeys([]).refuses(change) is not None
+
+
+def test_a_signature_survives_the_codec_and_covers_every_field() -> None:
+    change = OPERATOR.sign(
+        _change(
+            destinations=("webhook:crm", "queue:ops"),
+            repeat_safe=True,
+            expires_at=datetime(2031, 1, 1, tzinfo=UTC),
+            credential_id="key-1",
+            credential_scopes=("mail.send",),
+            reason="ticket 42",
+        )
+    )
+    read = default_codec().decode(default_codec().encode(change))
+    assert TRUSTED.refuses(read) is None
+    # Every field but the signature (and the Python-only kind) is in what the key signed: a
+    # field added to the record and forgotten here would be one a forger could change.
+    signed_fields = set(PolicyChanged.model_fields) - {"kind", "signature"}
+    assert len(json.loads(change.signed_bytes())) == len(signed_fields) + 1  # + the format tag
+
+
+def test_key_files_round_trip_and_are_private(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    key = ensure_local_keys(settings)
+    assert settings.policy_signing_key_path.stat().st_mode & 0o077 == 0
+    assert OperatorKey.load(settings.policy_signing_key_path).id == key.id
+    assert TrustedKeys.load(settings.policy_trusted_keys_path).ids == (key.id,)
+    assert ensure_local_keys(settings).id == key.id  # idempotent: the key is kept
+    assert TrustedKeys.load(settings.policy_trusted_keys_path).ids == (key.id,)
+    settings.policy_trusted_keys_path.write_text("ed25519:not-base64!\n")
+    with pytest.raises(PolicyKeyError, match="line 1"):
+        TrustedKeys.load(settings.policy_trusted_keys_path)
+    assert TrustedKeys.load(tmp_path / "absent").ids == ()
 
 
 @pytest.mark.parametrize(
