@@ -52,6 +52,7 @@ from ledger.history import HistoryReader
 from ledger.log import KafkaTransport, end_offsets
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
+from ledger.policy_keys import ensure_local_keys
 from ledger.policy_store import PolicyStore
 from ledger.results import ResultStore
 from ledger.settings import Settings
@@ -234,6 +235,7 @@ def setup(settings: Settings, n: int, url: str) -> tuple[str, list[Delivery]]:
         tool_name=TOOL,
         destinations=(DESTINATION,),
     )
+    grant = ensure_local_keys(settings).sign(grant)  # as `opledger policy grant` signs it
     produce_all(settings, events)
     from benchenv import producer  # noqa: PLC0415
 
@@ -242,7 +244,7 @@ def setup(settings: Settings, n: int, url: str) -> tuple[str, list[Delivery]]:
     assert p.flush(30) == 0
     secret = new_secret()
     with open_pool(settings.dsn, name="bench-setup", max_size=1) as pool:
-        DestinationStore(pool).add(
+        DestinationStore(pool, settings).add(
             tenant_id=TENANT,
             name=DESTINATION,
             kind=Kind.WEBHOOK,
@@ -285,8 +287,8 @@ def timed_worker(settings: Settings, n: int, concurrency: int) -> tuple[float, f
         transport=transport,
         history=history,
         results=ResultStore(pool),
-        destinations=DestinationStore(pool),
-        policy=PolicyStore(pool).evaluate_many,
+        destinations=DestinationStore(pool, settings),
+        policy=PolicyStore(pool, settings).evaluate_many,
         webhooks=webhooks,
         metrics=metrics,
     )

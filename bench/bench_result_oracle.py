@@ -36,7 +36,7 @@ def main() -> None:
         isolated(Settings.from_env(), "oracle") as env,
         open_pool(env.settings.dsn, name="bench-oracle", max_size=2) as pool,
     ):
-        store = DestinationStore(pool)
+        store = DestinationStore(pool, env.settings)
         store.add(
             tenant_id="acme",
             name="crm",

@@ -2,7 +2,9 @@
 
 Events carry only a destination's *name*; this table says where it is (a webhook URL or a Kafka
 topic) and holds the webhook's signing secret, which must never travel in an event or a log
-line. A destination that answers 410 Gone is disabled here by the delivery worker; an operator
+line, sealed under the operator's key (``ledger.secret_box``, decision 033): this module seals
+every secret it writes and opens every one it reads, so no other code sees the stored form.
+A destination that answers 410 Gone is disabled here by the delivery worker; an operator
 enables it again with ``opledger destinations enable``.
 """
 
@@ -25,7 +27,8 @@ from psycopg_pool import ConnectionPool
 from ledger.domain.events import recordable_destination
 from ledger.domain.names import InvalidNameError, NameKind, check_name, check_tools
 from ledger.pg import retrying
-from ledger.settings import Network
+from ledger.secret_box import SecretBox, secret_box
+from ledger.settings import Network, Settings
 
 # \Z, not $: "$" also matches before a final newline, which the database's checks refuse
 # (and then print the whole row, secret included, in their error and the server's log).
@@ -308,9 +311,15 @@ _COLUMNS = (
 )
 
 
-def _destination(row: Sequence[Any], *, with_secrets: bool = True) -> Destination:
+def _destination(row: Sequence[Any], box: SecretBox | None) -> Destination:
+    """The row as a destination; ``box`` None: its secrets left out."""
     (tenant, name, kind, target, tools, timeout, enabled, reason, gone, updated, by) = row[:11]
-    secret, previous, until = row[11:] if with_secrets else (None, None, row[13])
+    sealed, sealed_previous, until = row[11:]
+    secret = previous = None
+    if box is not None:
+        secret = None if sealed is None else box.open(sealed, tenant_id=tenant, name=name)
+        if sealed_previous is not None:
+            previous = box.open(sealed_previous, tenant_id=tenant, name=name)
     return Destination(
         tenant_id=tenant,
         name=name,
@@ -329,11 +338,25 @@ def _destination(row: Sequence[Any], *, with_secrets: bool = True) -> Destinatio
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Rekeyed:
+    """What :meth:`DestinationStore.rekey` did."""
+
+    sealed: int  # secrets sealed again under the current key (or sealed for the first time)
+    current: int  # already under the current key
+    key_id: str
+
+
 class DestinationStore:
     """Reads and changes the registry over a psycopg pool (every read is tenant-scoped)."""
 
-    def __init__(self, pool: ConnectionPool[Any]) -> None:
+    def __init__(self, pool: ConnectionPool[Any], settings: Settings) -> None:
         self._pool = pool
+        self._settings = settings
+
+    def _box(self) -> SecretBox:
+        # Looked up on each use: a rotation's new key file is picked up without a restart.
+        return secret_box(self._settings)
 
     def add(
         self,
@@ -363,6 +386,9 @@ class DestinationStore:
             changed_by=changed_by,
         )
 
+        box = self._box()
+        sealed = None if secret is None else box.seal(secret, tenant_id=tenant_id, name=name)
+
         def work(conn: psycopg.Connection[Any]) -> Any:
             return conn.execute(
                 f"""INSERT INTO delivery_destinations
@@ -376,10 +402,10 @@ class DestinationStore:
                       previous_secret = NULL, previous_secret_until = NULL,
                       changed_by = EXCLUDED.changed_by
                    RETURNING {_COLUMNS}""",
-                (tenant_id, name, kind.value, target, secret, list(tools), timeout_ms, changed_by),
+                (tenant_id, name, kind.value, target, sealed, list(tools), timeout_ms, changed_by),
             ).fetchone()
 
-        return _destination(retrying(self._pool, "store a destination", work))
+        return _destination(retrying(self._pool, "store a destination", work), box)
 
     def set_enabled(
         self,
@@ -423,7 +449,7 @@ class DestinationStore:
             ).fetchall()
 
         rows = retrying(self._pool, "list destinations", work)
-        return [_destination(row, with_secrets=False) for row in rows]
+        return [_destination(row, None) for row in rows]
 
     def rotate_secret(
         self,
@@ -446,8 +472,12 @@ class DestinationStore:
                 f"the overlap must be between 0 and {MAX_ROTATION_OVERLAP.days} days"
             )
 
+        box = self._box()
+        sealed = box.seal(secret, tenant_id=tenant_id, name=name)
+
         def work(conn: psycopg.Connection[Any]) -> Any:
-            # The right-hand sides read the row as it was: the old secret becomes the previous.
+            # The right-hand sides read the row as it was: the old secret becomes the previous
+            # (sealed for this tenant and name, so it opens where it is moved).
             return conn.execute(
                 f"""UPDATE delivery_destinations
                       SET previous_secret = CASE WHEN %(overlap)s > interval '0' THEN secret END,
@@ -458,7 +488,7 @@ class DestinationStore:
                 RETURNING {_COLUMNS}""",
                 {
                     "overlap": overlap,
-                    "secret": secret,
+                    "secret": sealed,
                     "by": changed_by,
                     "tenant": tenant_id,
                     "name": name,
@@ -466,7 +496,7 @@ class DestinationStore:
             ).fetchone()
 
         row = retrying(self._pool, "rotate a destination's secret", work)
-        return None if row is None else _destination(row)
+        return None if row is None else _destination(row, box)
 
     def get_many(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Destination]:
         """``(tenant_id, name)`` -> destination (with its secret), for those that exist."""
@@ -481,7 +511,9 @@ class DestinationStore:
                 ([k[0] for k in wanted], [k[1] for k in wanted]),
             ).fetchall()
 
-        found = (_destination(row) for row in retrying(self._pool, "read destinations", work))
+        box = self._box()
+        rows = retrying(self._pool, "read destinations", work)
+        found = (_destination(row, box) for row in rows)
         return {(d.tenant_id, d.name): d for d in found}
 
     def configured(
@@ -509,3 +541,36 @@ class DestinationStore:
         for tenant, tool, name in retrying(self._pool, "read configured destinations", work):
             names[(tenant, tool)].append(name)
         return {k: tuple(v) for k, v in names.items()}
+
+    def rekey(self) -> Rekeyed:
+        """Seal every stored secret under the key file's first key, in one transaction: what
+        a rotation runs after adding its new key, before the old one is dropped. A secret that
+        no key of the file opens stops it (nothing changed) with the destination named."""
+        box = self._box()
+
+        def work(conn: psycopg.Connection[Any]) -> Rekeyed:
+            rows = conn.execute(
+                """SELECT tenant_id, name, secret, previous_secret FROM delivery_destinations
+                    WHERE secret IS NOT NULL OR previous_secret IS NOT NULL
+                    ORDER BY tenant_id, name FOR UPDATE"""
+            ).fetchall()
+            changed = current = 0
+            for tenant, name, stored, stored_previous in rows:
+                resealed = []
+                for value in (stored, stored_previous):
+                    if value is None or box.is_current(value):
+                        resealed.append(value)
+                        current += value is not None
+                        continue
+                    plain = box.open(value, tenant_id=tenant, name=name)
+                    resealed.append(box.seal(plain, tenant_id=tenant, name=name))
+                    changed += 1
+                if resealed != [stored, stored_previous]:
+                    conn.execute(
+                        """UPDATE delivery_destinations SET secret = %s, previous_secret = %s
+                            WHERE tenant_id = %s AND name = %s""",
+                        (*resealed, tenant, name),
+                    )
+            return Rekeyed(changed, current, box.current_id)
+
+        return retrying(self._pool, "seal destinations' secrets", work)

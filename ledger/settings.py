@@ -142,6 +142,9 @@ class Settings:
     providers: str = ""
     #: OPLEDGER_FAKE_PROVIDER_URL: where the demo's fake tool provider listens.
     fake_provider_url: str = "http://127.0.0.1:16077"
+    #: OPLEDGER_FAKE_PROVIDER_CONTROL_TOKEN_FILE: the token the fake provider's ``/_control/``
+    #: routes require. Empty: ``<home>/keys/fake-provider-control.token``.
+    fake_provider_control_token_file: str = ""
     #: OPLEDGER_DELIVERY_GROUP: consumer group of the delivery workers (on the execution topic:
     #: the outbox reads it, and its partitions say which operations' deliveries are whose).
     delivery_group: str = "opledger-delivery"
@@ -182,6 +185,18 @@ class Settings:
     #: OPLEDGER_POLICY_FRESHNESS_REFRESH_MS: how often each of them looks again (one watermark
     #: request and one indexed SELECT; calls in between read a clock).
     policy_freshness_refresh_ms: int = 500
+    #: OPLEDGER_POLICY_SIGNING_KEY_FILE: the operator's private key policy changes are signed
+    #: with (decision 032); only `opledger policy` and the demo's setup read it. Empty:
+    #: ``<home>/keys/policy-operator.key``, which `opledger stack up` creates.
+    policy_signing_key_file: str = ""
+    #: OPLEDGER_POLICY_TRUSTED_KEYS_FILE: the public keys a policy change must be signed by to
+    #: count, one ``ed25519:<base64>`` per line. Empty: ``<home>/keys/policy-trusted.pub``.
+    #: No file: no change counts (every grant refused).
+    policy_trusted_keys_file: str = ""
+    #: OPLEDGER_SECRETS_KEY_FILE: the AES-256 keys destinations' signing secrets are sealed
+    #: with at rest, one ``aes256gcm:<base64>`` per line, the first sealing (decision 033).
+    #: Empty: ``<home>/keys/secrets.key``.
+    secrets_key_file: str = ""
     #: OPLEDGER_PG_LOCK_TIMEOUT_MS: the longest a statement of the SDK, the workers or the
     #: projector waits for a lock another session holds (an analyst's LOCK TABLE, a
     #: transaction left open) before it fails and is retried or reported, rather than waiting
@@ -262,6 +277,9 @@ class Settings:
             recovery_unleased_grace_s=_int(env, "OPLEDGER_RECOVERY_UNLEASED_GRACE_S", 30),
             providers=env.get("OPLEDGER_PROVIDERS", ""),
             fake_provider_url=env.get("OPLEDGER_FAKE_PROVIDER_URL", "http://127.0.0.1:16077"),
+            fake_provider_control_token_file=env.get(
+                "OPLEDGER_FAKE_PROVIDER_CONTROL_TOKEN_FILE", ""
+            ),
             delivery_group=env.get("OPLEDGER_DELIVERY_GROUP", "opledger-delivery"),
             delivery_web_port=_int(env, "OPLEDGER_DELIVERY_WEB_PORT", 16069),
             delivery_interval_ms=_int(env, "OPLEDGER_DELIVERY_INTERVAL_MS", 200),
@@ -274,6 +292,9 @@ class Settings:
             delivery_allow_networks=env.get("OPLEDGER_DELIVERY_ALLOW_NETWORKS", ""),
             policy_max_staleness_ms=_int(env, "OPLEDGER_POLICY_MAX_STALENESS_MS", 5000),
             policy_freshness_refresh_ms=_int(env, "OPLEDGER_POLICY_FRESHNESS_REFRESH_MS", 500),
+            policy_signing_key_file=env.get("OPLEDGER_POLICY_SIGNING_KEY_FILE", ""),
+            policy_trusted_keys_file=env.get("OPLEDGER_POLICY_TRUSTED_KEYS_FILE", ""),
+            secrets_key_file=env.get("OPLEDGER_SECRETS_KEY_FILE", ""),
             pg_lock_timeout_ms=_int(env, "OPLEDGER_PG_LOCK_TIMEOUT_MS", 30_000),
             worker_stuck_after_s=_int(env, "OPLEDGER_WORKER_STUCK_AFTER_S", 120),
             worker_stuck_exit_s=_int(env, "OPLEDGER_WORKER_STUCK_EXIT_S", 600),
@@ -420,6 +441,18 @@ class Settings:
             max_attempts=self.delivery_max_attempts,
             horizon=timedelta(seconds=self.delivery_horizon_s),
         )
+
+    @property
+    def policy_signing_key_path(self) -> Path:
+        return Path(self.policy_signing_key_file or self.home / "keys" / "policy-operator.key")
+
+    @property
+    def policy_trusted_keys_path(self) -> Path:
+        return Path(self.policy_trusted_keys_file or self.home / "keys" / "policy-trusted.pub")
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return Path(self.secrets_key_file or self.home / "keys" / "secrets.key")
 
     @property
     def bootstrap_servers(self) -> str:

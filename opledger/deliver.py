@@ -24,6 +24,7 @@ from opledger import arguments
 from opledger.arguments import overlap_hours
 
 if TYPE_CHECKING:
+    from ledger.destinations import Rekeyed
     from processors.delivery.worker import DeliveryWorker
     from processors.host import Hosted
 
@@ -66,13 +67,13 @@ def build(settings: Settings) -> tuple[Hosted, DeliveryWorker, list[Any]]:
         transport=transport,
         history=history,
         results=ResultStore(pool),
-        destinations=DestinationStore(pool),
+        destinations=DestinationStore(pool, settings),
         # Policy as it is now, at every send: no cache.
-        policy=PolicyStore(pool).evaluate_many,
+        policy=PolicyStore(pool, settings).evaluate_many,
         webhooks=webhooks,
         metrics=metrics,
     )
-    results_server = ResultsServer(pool, metrics)
+    results_server = ResultsServer(pool, settings, metrics)
     hosted = Hosted(
         worker,
         registry,
@@ -180,7 +181,7 @@ def destinations_add(args: argparse.Namespace, settings: Settings) -> int:
     db.migrate(settings.dsn)
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
         try:
-            added = DestinationStore(pool).add(
+            added = DestinationStore(pool, settings).add(
                 tenant_id=args.tenant,
                 name=args.name,
                 kind=kind,
@@ -223,7 +224,7 @@ def destinations_list(args: argparse.Namespace, settings: Settings) -> int:
     from ledger.pg import open_pool  # noqa: PLC0415
 
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
-        found = DestinationStore(pool).list(args.tenant)
+        found = DestinationStore(pool, settings).list(args.tenant)
     if not found:
         print(f"tenant {args.tenant} has no destinations")
     for d in found:
@@ -252,7 +253,7 @@ def destinations_enable(args: argparse.Namespace, settings: Settings) -> int:
 
     enabled = args.action == "enable"
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
-        changed = DestinationStore(pool).set_enabled(
+        changed = DestinationStore(pool, settings).set_enabled(
             args.tenant, args.name, enabled=enabled, changed_by=_by(args), reason=args.reason
         )
     if not changed:
@@ -285,7 +286,7 @@ def destinations_rotate(args: argparse.Namespace, settings: Settings) -> int:
             return EXIT_USAGE
     with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
         try:
-            rotated = DestinationStore(pool).rotate_secret(
+            rotated = DestinationStore(pool, settings).rotate_secret(
                 args.tenant,
                 args.name,
                 changed_by=_by(args),
@@ -309,6 +310,73 @@ def destinations_rotate(args: argparse.Namespace, settings: Settings) -> int:
     )
     if secret is None:  # shown once, to whoever configures the receiver
         print(f"signing secret (configure the receiver with it): {rotated.secret}")
+    return EXIT_OK
+
+
+def _rekey(settings: Settings) -> Rekeyed | str:
+    """Every secret sealed under the current key; or why not (nothing changed)."""
+    from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.secret_box import SecretKeyError  # noqa: PLC0415
+
+    try:
+        with open_pool(settings.dsn, name="opledger-destinations", max_size=1) as pool:
+            return DestinationStore(pool, settings).rekey()
+    except SecretKeyError as exc:
+        return str(exc)
+
+
+def destinations_rekey(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations rekey``."""
+    done = _rekey(settings)
+    if isinstance(done, str):
+        print(f"nothing was changed: {done}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"{done.sealed} secrets sealed under key {done.key_id} "
+        f"({done.current} already were; key file {settings.secrets_key_path})"
+    )
+    return EXIT_OK
+
+
+def destinations_rotate_key(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations rotate-key``: add a key, seal everything under it, drop the old.
+
+    The old key stays in the file until every row is sealed under the new one, so a worker
+    reading a destination meanwhile opens it with either. A second pass catches a secret that a
+    writer which had not yet seen the new key sealed during the first."""
+    from ledger.secret_box import (  # noqa: PLC0415
+        SecretBox,
+        SecretKeyError,
+        key_lines,
+        new_key_line,
+        write_key_file,
+    )
+
+    path = settings.secrets_key_path
+    try:
+        old = key_lines(path)
+    except SecretKeyError as exc:
+        print(f"nothing was changed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    fresh = new_key_line()
+    write_key_file(path, [fresh, *old])
+    first = _rekey(settings)
+    second = first if isinstance(first, str) else _rekey(settings)
+    if isinstance(first, str) or isinstance(second, str):
+        print(
+            f"the new key is in {path}, but not every secret is sealed under it: "
+            f"{first if isinstance(first, str) else second}; the old keys were kept",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if not args.keep_old:
+        write_key_file(path, [fresh])
+    dropped = "kept" if args.keep_old else "dropped"
+    print(
+        f"secrets key rotated: new key {SecretBox.load(path).current_id}; {first.sealed} "
+        f"secrets sealed again under it; {len(old)} old key(s) {dropped} from {path}"
+    )
     return EXIT_OK
 
 
@@ -573,6 +641,23 @@ def register(commands: Any) -> None:
         "--by", metavar="NAME", type=arguments.actor, help="who (default: cli:<login>)"
     )
     rotate.set_defaults(handler="opledger.deliver:destinations_rotate")
+    rekey = actions.add_parser(
+        "rekey",
+        help="seal every stored secret under the secrets key file's first key (after an "
+        "upgrade, or after adding a key by hand)",
+    )
+    rekey.set_defaults(handler="opledger.deliver:destinations_rekey")
+    rotate_key = actions.add_parser(
+        "rotate-key",
+        help="a new secrets key: added to the key file, every secret sealed again under it, "
+        "the old key dropped",
+    )
+    rotate_key.add_argument(
+        "--keep-old",
+        action="store_true",
+        help="keep the old key in the file (drop it later by hand, then run rekey)",
+    )
+    rotate_key.set_defaults(handler="opledger.deliver:destinations_rotate_key")
 
     parser = commands.add_parser("deliveries", help="dead-lettered deliveries: send them again")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")

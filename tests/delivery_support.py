@@ -207,7 +207,7 @@ class SteppedDeliveryRig:
         self.webhooks = WebhookSender(
             concurrency=settings.delivery_concurrency, metrics=self.metrics
         )
-        self.destinations = DestinationStore(self.pool)
+        self.destinations = DestinationStore(self.pool, settings)
         self.worker = DeliveryWorker(
             settings,
             pool=self.pool,
@@ -215,7 +215,7 @@ class SteppedDeliveryRig:
             history=self.history,
             results=ResultStore(self.pool),
             destinations=self.destinations,
-            policy=PolicyStore(self.pool).evaluate_many,
+            policy=PolicyStore(self.pool, self.settings).evaluate_many,
             webhooks=self.webhooks,
             metrics=self.metrics,
             retry=retry or RetryPolicy(schedule=(timedelta(milliseconds=300),), jitter=0.0),

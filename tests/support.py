@@ -317,6 +317,10 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         OPLEDGER_CONSUMER_WEB_PORT=str(settings.consumer_web_port),
         # Empty: the default (database opledger_consumer on the local server).
         OPLEDGER_CONSUMER_PG_DSN=settings.consumer_pg_dsn,
+        OPLEDGER_POLICY_SIGNING_KEY_FILE=str(settings.policy_signing_key_path),
+        OPLEDGER_POLICY_TRUSTED_KEYS_FILE=str(settings.policy_trusted_keys_path),
+        OPLEDGER_SECRETS_KEY_FILE=str(settings.secrets_key_path),
+        OPLEDGER_FAKE_PROVIDER_CONTROL_TOKEN_FILE=settings.fake_provider_control_token_file,
         OPLEDGER_LOG_LEVEL="INFO",
     )
     env.update(extra)
@@ -392,10 +396,20 @@ def grant(
         repeat_safe=repeat_safe and not revoke,
         destinations=() if revoke else tuple(destinations),
     )
+    change = signed(settings, change)
     p = producer(settings)
     p.produce(settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change))
     assert p.flush(30) == 0
     return change.event_id
+
+
+def signed(settings: Settings, change: PolicyChanged) -> PolicyChanged:
+    """``change`` signed by the operator key of ``settings``' stack (created there if missing,
+    as `opledger stack up` does): what `opledger policy` writes, and the only kind of change the
+    projector folds (decision 032)."""
+    from ledger.policy_keys import ensure_local_keys  # noqa: PLC0415
+
+    return ensure_local_keys(settings).sign(change)
 
 
 _policy_sequence = iter(range(1, 1_000_000_000))

@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
     deadline = time.monotonic() + args.timeout
     log_dir = settings.home / "logs" / "demo"
     log_dir.mkdir(parents=True, exist_ok=True)
-    control = FakeProviderControl(settings.fake_provider_url)
+    control = FakeProviderControl.of(settings)
     consumer_url = f"http://127.0.0.1:{settings.consumer_web_port}/events"
     try:
         setup.configure_provider(control, args.seed)

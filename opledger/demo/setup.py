@@ -82,7 +82,7 @@ def add_destinations(settings: Settings, *, consumer_url: str, secret: str, topi
     from ledger.pg import open_pool  # noqa: PLC0415
 
     with open_pool(settings.dsn, name="opledger-demo", max_size=1) as pool:
-        store = DestinationStore(pool)
+        store = DestinationStore(pool, settings)
         for route in ROUTES:
             queue = route.name == QUEUE
             store.add(
@@ -173,8 +173,12 @@ def write_policy(settings: Settings, changes: Sequence[PolicyChanged]) -> float:
     from ledger import pg  # noqa: PLC0415
     from ledger.errors import RecordError  # noqa: PLC0415
     from ledger.log import LogWriter  # noqa: PLC0415
+    from ledger.policy_keys import ensure_local_keys  # noqa: PLC0415
     from ledger.policy_store import read_fold_state  # noqa: PLC0415
 
+    # The local stack's operator key (its workers trust it): the demo is that stack's operator.
+    key = ensure_local_keys(settings)
+    changes = [key.sign(change) for change in changes]
     writer = LogWriter.connect(settings, "demo")
     try:
         writer.append(list(changes))

@@ -32,6 +32,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import aiohttp
 
 from ledger.domain.ids import canonical_json
+from ledger.settings import Settings
 from ledger.tools import CallOutcome, ContactLost, LookupResult, LookupStatus, ProviderTerms
 from opledger.fakes.http_wire import Wires, readable
 from opledger.fakes.model import FakeProviderError, Mode, Stats, Step
@@ -395,11 +396,21 @@ class AsyncHttpToolProvider:
 
 
 class FakeProviderControl:
-    """Client of the fake provider's ``/_control/`` API (tests, chaos runs, the demo)."""
+    """Client of the fake provider's ``/_control/`` API (tests, chaos runs, the demo), with the
+    control token (``opledger.fakes.credentials``)."""
 
-    def __init__(self, base_url: str, timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, token: str, timeout: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._authorization = f"Bearer {token}"
+
+    @classmethod
+    def of(cls, settings: Settings, base_url: str | None = None) -> FakeProviderControl:
+        """The client of ``base_url`` (default: the installation's provider), with the token
+        ``settings`` name (made here if the server has not started yet: it reads the same)."""
+        from opledger.fakes.credentials import ensure_control_token  # noqa: PLC0415
+
+        return cls(base_url or settings.fake_provider_url, ensure_control_token(settings))
 
     def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode("utf-8")
@@ -407,7 +418,7 @@ class FakeProviderControl:
             f"{self.base_url}/_control/{path}",
             data=data,
             method=method,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "Authorization": self._authorization},
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:

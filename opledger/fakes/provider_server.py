@@ -24,6 +24,9 @@ Control (JSON bodies)::
     POST /_control/reset      {"keep_config"?}: forget keys, scripts and counts (and tools unless
                               keep_config), and release every hold
     GET  /_control/health
+
+Every control route but ``health`` answers 401 unless the request carries ``Authorization:
+Bearer <token>`` with the token of ``opledger.fakes.credentials``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from ledger.settings import Settings
+from opledger.fakes.credentials import authorized
 from opledger.fakes.model import Action, FakeProviderError, Outcome, check_key, check_tool
 from opledger.fakes.state import CallKind, ProviderState, Unavailable
 
@@ -124,15 +128,30 @@ def _answer(outcome: Outcome) -> web.Response:
     )
 
 
-class FakeProviderServer:
-    """The routes over one :class:`ProviderState`."""
+_OPEN_CONTROL = frozenset({"/_control/health"})
 
-    def __init__(self, state: ProviderState | None = None) -> None:
+
+class FakeProviderServer:
+    """The routes over one :class:`ProviderState`; control routes need ``control_token``."""
+
+    def __init__(self, control_token: str, state: ProviderState | None = None) -> None:
         self.state = state or ProviderState()
         self.holds = Holds()
+        self._token = control_token
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        guarded = request.path.startswith("/_control/") and request.path not in _OPEN_CONTROL
+        if guarded and not authorized(request.headers.get("Authorization"), self._token):
+            response = _error(401, "the control routes need the control token")
+            response.headers["WWW-Authenticate"] = 'Bearer realm="fake-provider control"'
+            return response
+        return await handler(request)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_bad_requests])
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._guard, _bad_requests]
+        )
         app.router.add_post("/tools/{tool}/call", self.call)
         app.router.add_get("/tools/{tool}/lookup", self.lookup)
         app.router.add_post("/_control/configure", self.configure)
@@ -275,14 +294,17 @@ class FakeProviderServer:
         )
 
 
-async def serve(host: str, port: int, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    host: str, port: int, control_token: str, stop: asyncio.Event | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``); prints the address once listening."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop.set)
-    runner = web.AppRunner(FakeProviderServer().app(), access_log=None, shutdown_timeout=5.0)
+    server = FakeProviderServer(control_token)
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -302,5 +324,7 @@ def run_command(args: argparse.Namespace, settings: Settings) -> int:
     if port is None:
         # The URL every adapter of this installation uses (OPLEDGER_FAKE_PROVIDER_URL).
         port = urllib.parse.urlsplit(settings.fake_provider_url).port or 80
-    asyncio.run(serve(args.host, port))
+    from opledger.fakes.credentials import ensure_control_token  # noqa: PLC0415
+
+    asyncio.run(serve(args.host, port, ensure_control_token(settings)))
     return 0

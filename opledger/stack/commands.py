@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ledger.policy_keys import ensure_local_keys
+from ledger.secret_box import ensure_local_secret_key
 from ledger.settings import Settings
 from ledger.topics import TopicError, ensure_topics
 from opledger import db, supervisor
@@ -65,6 +67,10 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
         # Every component's tables, so the SDK and the workers find them (the SDK makes none).
         db.migrate(settings.dsn)
         ensure_consumer_secret(settings)
+        # Before the workers: the projector folds only changes signed by a trusted key, and
+        # the delivery worker opens destinations' secrets with the secrets key.
+        ensure_local_keys(settings)
+        seal_stored_secrets(settings)
         if not (kafka_ok and pg_ok):
             echo(
                 f"stack up: kafka {settings.bootstrap_servers}, postgres {settings.dsn}, "
@@ -81,6 +87,17 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             check_worker_ports(settings)
             start_supervisor(settings, echo)
             wait_workers_ready(settings, echo)
+
+
+def seal_stored_secrets(settings: Settings) -> None:
+    """The local stack's secrets key, made once, and every destination's secret sealed under
+    it: a stack upgraded from before decision 033 holds no secret in the clear after `up`."""
+    from ledger.destinations import DestinationStore  # noqa: PLC0415
+    from ledger.pg import open_pool  # noqa: PLC0415
+
+    ensure_local_secret_key(settings)
+    with open_pool(settings.dsn, name="opledger-stack", max_size=1) as pool:
+        DestinationStore(pool, settings).rekey()
 
 
 def restart(settings: Settings, service: str, echo: Echo = print, *, kill: bool = False) -> None:

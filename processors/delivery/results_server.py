@@ -13,6 +13,7 @@ from psycopg_pool import ConnectionPool
 from ledger.destinations import DestinationStore
 from ledger.metrics import Metrics
 from ledger.results import ResultStore
+from ledger.settings import Settings
 from processors.delivery.result_endpoint import ResultEndpoint
 from processors.host import Page
 
@@ -20,8 +21,8 @@ from processors.host import Page
 class ResultsServer:
     """Answers fetches of results by reference, each counted by its outcome."""
 
-    def __init__(self, pool: ConnectionPool[Any], metrics: Metrics) -> None:
-        self._endpoint = ResultEndpoint(pool, DestinationStore(pool), ResultStore(pool))
+    def __init__(self, pool: ConnectionPool[Any], settings: Settings, metrics: Metrics) -> None:
+        self._endpoint = ResultEndpoint(pool, DestinationStore(pool, settings), ResultStore(pool))
         self._metrics = metrics
 
     @property

@@ -53,7 +53,7 @@ class Rig:
 
     def destination(self, name: str, url: str, tools: list[str]) -> None:
         with open_pool(self.settings.dsn, name="chaos-destinations", max_size=1) as pool:
-            DestinationStore(pool).add(
+            DestinationStore(pool, self.settings).add(
                 tenant_id=TENANT,
                 name=name,
                 kind=Kind.WEBHOOK,
@@ -112,7 +112,7 @@ def _rig(settings: Settings, logs: Path, *, provider: bool = False) -> Iterator[
         wait_http(f"http://127.0.0.1:{ports['projector']}/healthz")
         if provider:
             rig.start("provider", "fake-provider", "run")
-            FakeProviderControl(env["OPLEDGER_FAKE_PROVIDER_URL"]).wait_ready(30)
+            FakeProviderControl.of(settings, env["OPLEDGER_FAKE_PROVIDER_URL"]).wait_ready(30)
             rig.start("recovery", "recover", "run")
             wait_http(f"http://127.0.0.1:{ports['recovery']}/healthz")
         yield rig
@@ -195,7 +195,9 @@ def test_a_service_killed_after_its_result_write_still_delivers_once_and_calls_o
                 timeout=120,
             )
             time.sleep(2)
-            stats = FakeProviderControl(rig.env["OPLEDGER_FAKE_PROVIDER_URL"]).stats()
+            stats = FakeProviderControl.of(
+                rig.settings, rig.env["OPLEDGER_FAKE_PROVIDER_URL"]
+            ).stats()
         calls = stats.tools["send_email"].keys[op_id]
         assert calls.calls == 1 and calls.side_effects == 1
         assert [r.headers["Idempotency-Key"] for r in receiver.received] == [op_id]

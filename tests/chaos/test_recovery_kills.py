@@ -99,7 +99,7 @@ def _processes(settings: Settings, logs: Path, *, recovery: bool) -> Iterator[Ri
     if recovery:
         started.append(start_cli(["recover", "run"], env, logs / "recovery.log"))
     try:
-        control = FakeProviderControl(f"http://127.0.0.1:{provider_port}")
+        control = FakeProviderControl.of(settings, f"http://127.0.0.1:{provider_port}")
         control.wait_ready(30)
         wait_http(f"http://127.0.0.1:{projector_port}/healthz")
         if recovery:

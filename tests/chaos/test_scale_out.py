@@ -85,7 +85,7 @@ def test_a_killed_recovery_worker_hands_its_partitions_to_the_other(
     ]
     started += workers
     try:
-        control = FakeProviderControl(f"http://127.0.0.1:{provider_port}")
+        control = FakeProviderControl.of(isolated, f"http://127.0.0.1:{provider_port}")
         control.wait_ready(30)
         wait_http(f"http://127.0.0.1:{projector_port}/healthz")
         for port in worker_ports:

@@ -113,11 +113,13 @@ class Rig:
             OPLEDGER_CONSUMER_WEB_PORT=str(self.ports["consumer"]),
         )
         self.started: dict[str, subprocess.Popen[bytes]] = {}
-        self.provider = FakeProviderControl(f"http://127.0.0.1:{self.ports['provider']}")
+        self.provider = FakeProviderControl.of(
+            settings, f"http://127.0.0.1:{self.ports['provider']}"
+        )
         grant(settings, TENANT, repeat_safe=True, destinations=("crm",))
         project_in_process(settings)
         with open_pool(settings.dsn, name="outage-destinations", max_size=1) as pool:
-            DestinationStore(pool).add(
+            DestinationStore(pool, settings).add(
                 tenant_id=TENANT,
                 name="crm",
                 kind=Kind.WEBHOOK,

@@ -68,7 +68,7 @@ class Rig:
         self.transport = KafkaTransport(settings)
         self.history = HistoryReader(settings, self.pool)
         self.webhooks = WebhookSender(concurrency=32, metrics=self.metrics)
-        self.destinations = DestinationStore(self.pool)
+        self.destinations = DestinationStore(self.pool, settings)
         self.worker = DeliveryWorker(
             settings,
             pool=self.pool,
@@ -76,7 +76,7 @@ class Rig:
             history=self.history,
             results=ResultStore(self.pool),
             destinations=self.destinations,
-            policy=PolicyStore(self.pool).evaluate_many,
+            policy=PolicyStore(self.pool, self.settings).evaluate_many,
             webhooks=self.webhooks,
             metrics=self.metrics,
             retry=retry,

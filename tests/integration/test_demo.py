@@ -92,7 +92,7 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
         )
         out = result.stdout
         assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr}"
-        stats = FakeProviderControl(settings.fake_provider_url).stats()
+        stats = FakeProviderControl.of(settings).stats()
         delivery = supervisor.read_status(settings)["workers"]["delivery"]
 
     # What the demo says.

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ledger.settings import Settings
 from ledger.tools import (
     AsyncProvider,
     ContactLost,
@@ -57,7 +58,7 @@ def base_url() -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        FakeProviderControl(url).wait_ready(timeout=20)
+        FakeProviderControl.of(Settings.from_env(), url).wait_ready(timeout=20)
         yield url
     finally:
         server.kill()
@@ -66,7 +67,7 @@ def base_url() -> Iterator[str]:
 
 @pytest.fixture
 def control(base_url: str) -> FakeProviderControl:
-    control = FakeProviderControl(base_url)
+    control = FakeProviderControl.of(Settings.from_env(), base_url)
     control.reset()
     return control
 
@@ -107,7 +108,7 @@ def test_port_zero_is_reported_and_sigterm_stops_the_server() -> None:
         assert server.stdout is not None
         line = server.stdout.readline()
         assert line.startswith("fake provider listening on http://127.0.0.1:")
-        FakeProviderControl(line.split()[-1]).wait_ready()
+        FakeProviderControl.of(Settings.from_env(), line.split()[-1]).wait_ready()
         server.send_signal(signal.SIGTERM)
         assert server.wait(10) == 0
     finally:

@@ -26,7 +26,13 @@ from ledger.domain.states import DeliveryState
 from ledger.pg import open_pool
 from ledger.settings import Settings
 from producers import TransitionRecorder
-from tests.delivery_support import RawListener, ScriptedReceiver, SteppedDeliveryRig
+from tests.delivery_support import (
+    RawListener,
+    ScriptedReceiver,
+    SteppedDeliveryRig,
+    step_for,
+    step_until,
+)
 from tests.support import free_port, grant, project_in_process, read_all
 
 pytestmark = pytest.mark.integration
@@ -192,7 +198,7 @@ def test_the_delivery_process_survives_a_tenants_retry_after_header(
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
         with open_pool(isolated.dsn, name="review", max_size=1) as pool:
-            DestinationStore(pool).add(
+            DestinationStore(pool, isolated).add(
                 tenant_id=ATTACKER,
                 name="mine",
                 kind=Kind.WEBHOOK,
@@ -298,7 +304,7 @@ def test_the_delivery_process_survives_a_destination_name_the_events_refuse(
         _written_before_the_registry_checked_names(),
     ):
         for tenant, name in ((VICTIM, "hooks"), (ATTACKER, "sk_live_abcdefghijklmnopqrstuvwx")):
-            DestinationStore(pool).add(
+            DestinationStore(pool, isolated).add(
                 tenant_id=tenant,
                 name=name,
                 kind=Kind.WEBHOOK,
@@ -336,3 +342,71 @@ def test_the_delivery_process_survives_a_destination_name_the_events_refuse(
         )
     finally:
         hook.close()
+
+
+def test_a_webhook_aimed_at_the_fake_providers_control_routes_changes_nothing(
+    rig: Rig, isolated: Settings, tmp_path: Any
+) -> None:
+    """The probe registered a webhook at the fake provider's ``/_control/reset`` (the stack's
+    worker may reach 127.0.0.0/8): every delivery reset the provider's counts, the evidence a
+    kill test reads. The control routes now answer only the control token."""
+    import http.client  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
+
+    from ledger.tools import ProviderTerms  # noqa: PLC0415
+    from opledger.fakes.http_provider import FakeProviderControl, HttpToolProvider  # noqa: PLC0415
+    from tests.process_support import ROOT, kill, start_cli  # noqa: PLC0415
+    from tests.support import env_for  # noqa: PLC0415
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    provider = start_cli(
+        ["fake-provider", "run", "--port", str(port)],
+        env_for(isolated, PYTHONPATH=str(ROOT)),
+        tmp_path / "provider.log",
+    )
+    try:
+        control = FakeProviderControl.of(isolated, url)
+        control.wait_ready(30)
+        terms = ProviderTerms(timedelta(seconds=5), timedelta(days=1), repeat_safe=True)
+        assert HttpToolProvider(url, TOOL, terms).call({"to": "a"}, "op_probe_1").succeeded
+
+        def plain(method: str, path: str, token: str | None = None) -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            headers = {"Content-Type": "application/json"}
+            if token is not None:
+                headers["Authorization"] = f"Bearer {token}"
+            try:
+                conn.request(
+                    method, path, body=b"{}" if method == "POST" else None, headers=headers
+                )
+                response = conn.getresponse()
+                return response.status, response.read()
+            finally:
+                conn.close()
+
+        routes = [("GET", "stats")] + [
+            ("POST", name) for name in ("reset", "configure", "forget", "release", "script")
+        ]
+        for method, name in routes:
+            path = f"/_control/{name}"
+            for token in (None, "", "x" * 43):
+                status, body = plain(method, path, token)
+                assert status == 401, (method, path, token, status)
+                assert b"op_probe_1" not in body
+        assert plain("GET", "/_control/health")[0] == 200
+
+        rig.webhook(ATTACKER, "mine", f"{url}/_control/reset")
+        op = rig.succeeded(ATTACKER)
+
+        def tried() -> bool:
+            record = rig.delivery(ATTACKER, op, "mine")
+            return record is not None and record.attempts >= 1
+
+        step_until(rig, tried, timeout=30)
+        step_for(rig, 1.0)  # a retry or two at the 300 ms schedule
+        assert rig.state(ATTACKER, op, "mine") is not DeliveryState.ACKED
+        stats = control.stats()
+        assert stats.tools[TOOL].calls == 1, "the counts survived every delivery"
+    finally:
+        kill(provider)

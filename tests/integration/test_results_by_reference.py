@@ -48,7 +48,7 @@ INLINE_MAX = 64 * 1024
 
 def _add(settings: Settings, tenant: str, name: str, url: str, secret: str) -> None:
     with open_pool(settings.dsn, name="by-reference-destinations", max_size=1) as pool:
-        DestinationStore(pool).add(
+        DestinationStore(pool, settings).add(
             tenant_id=tenant,
             name=name,
             kind=Kind.WEBHOOK,
@@ -251,7 +251,7 @@ def test_a_large_result_is_fetched_by_the_receiver_checked_and_applied_once(
 
     # A disabled destination, correctly signed, is told so (403) and gets nothing.
     with open_pool(settings.dsn, name="by-reference-disable", max_size=1) as pool:
-        DestinationStore(pool).set_enabled(
+        DestinationStore(pool, settings).set_enabled(
             TENANT, "reference", enabled=False, changed_by="test", reason="probe"
         )
     status, body, _type = _get(url, sign_fetch([SECRET], TENANT, "reference", ops["large"], now))
@@ -284,7 +284,7 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
         future.result(timeout=30)
     grant(settings, TENANT, actor=ACTOR, tool="export_csv", destinations=("results-queue",))
     with open_pool(settings.dsn, name="by-reference-queue", max_size=1) as pool:
-        DestinationStore(pool).add(
+        DestinationStore(pool, settings).add(
             tenant_id=TENANT,
             name="results-queue",
             kind=Kind.QUEUE,
@@ -461,7 +461,9 @@ def test_destinations_add_gives_a_queue_a_fetch_secret_only_when_asked(isolated:
                          with_secret.stdout)  # fmt: skip
     assert "secret" not in without.stdout
     with open_pool(isolated.dsn, name="fetch-secret-cli", max_size=1) as pool:
-        stored = DestinationStore(pool).get_many([(TENANT, "q1"), (TENANT, "q2"), (TENANT, "h1")])
+        stored = DestinationStore(pool, isolated).get_many(
+            [(TENANT, "q1"), (TENANT, "q2"), (TENANT, "h1")]
+        )
     assert set(stored) == {(TENANT, "q1"), (TENANT, "q2")}
     assert printed == [stored[(TENANT, "q1")].secret]
     assert stored[(TENANT, "q2")].secret is None

@@ -55,7 +55,7 @@ def test_a_destinations_gone_reason_is_shown_by_destinations_list_not_run(
     """A 410's reason phrase (the destination's own words) disables the destination and is
     printed by ``destinations list``."""
     with open_pool(isolated.dsn, name="test-terminal", max_size=1) as pool:
-        store = DestinationStore(pool)
+        store = DestinationStore(pool, isolated)
         store.add(
             tenant_id="acme",
             name="hooks",
@@ -101,7 +101,7 @@ def test_the_probes_destinations_are_refused_and_nothing_is_stored(isolated: Set
         assert "whsec_" not in done.stdout + done.stderr  # no secret made for a refused one
     with open_pool(isolated.dsn, name="test-terminal", max_size=1) as pool:
         for tenant in ("acme", "x'--", "t\x1b[2J"):
-            assert DestinationStore(pool).list(tenant) == []
+            assert DestinationStore(pool, isolated).list(tenant) == []
 
 
 def test_a_row_stored_before_the_checks_is_listed_escaped(isolated: Settings) -> None:

@@ -187,14 +187,14 @@ def test_registration_refuses_a_literal_address_in_a_refused_network(
         err = capsys.readouterr().err
         assert words in err and "OPLEDGER_DELIVERY_ALLOW_NETWORKS" in err, err
     with open_pool(isolated.dsn, name="guard", max_size=1) as pool:
-        assert DestinationStore(pool).list(ATTACKER) == [], "nothing refused was stored"
+        assert DestinationStore(pool, isolated).list(ATTACKER) == [], "nothing refused was stored"
     # A host name is checked at send time only; a public address and an allowed one pass.
     assert _add(bare, "named", "http://localhost:9/events") == 0
     assert _add(bare, "public", "https://203.0.113.7/hooks") == 0
     assert _add(bare.with_(delivery_allow_networks="10.0.0.0/8"), "inside", "http://10.1.2.3/") == 0
     capsys.readouterr()
     with open_pool(isolated.dsn, name="guard", max_size=1) as pool:
-        names = {d.name for d in DestinationStore(pool).list(ATTACKER)}
+        names = {d.name for d in DestinationStore(pool, isolated).list(ATTACKER)}
     assert names == {"named", "public", "inside"}
 
 
