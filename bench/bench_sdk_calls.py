@@ -532,6 +532,8 @@ def sqlalchemy_url(dsn: str, dbname: str) -> str:
     params = conninfo_to_dict(dsn)
     user = quote(str(params.get("user", "")), safe="")
     password = params.get("password")
+    if not password and params.get("passfile"):  # the local stack's: the last field of its line
+        password = Path(str(params["passfile"])).read_text().strip().rsplit(":", 1)[1]
     credentials = f"{user}:{quote(str(password), safe='')}" if password else user
     host = params.get("host", "127.0.0.1")
     port = params.get("port", "5432")

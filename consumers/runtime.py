@@ -49,9 +49,8 @@ def migrate_database(dsn: str) -> list[int]:
         where = redact(dsn)
         if "does not exist" in str(exc):
             raise ConsumerSetupError(
-                f"the consumer's database in {where} does not exist; create it once (e.g. "
-                "`psql postgresql://opledger@127.0.0.1:15432/postgres -c 'CREATE DATABASE "
-                "opledger_consumer'`) or point OPLEDGER_CONSUMER_PG_DSN at another"
+                f"the consumer's database in {where} does not exist; create it (`opledger "
+                "stack up` does on the local stack) or point OPLEDGER_CONSUMER_PG_DSN at another"
             ) from None
         raise ConsumerSetupError(f"cannot reach the consumer's database at {where}") from exc
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Self
+from urllib.parse import quote
 
 from ledger.domain.schedule import RetryPolicy, parse_schedule
 
@@ -460,14 +461,22 @@ class Settings:
 
     @property
     def dsn(self) -> str:
-        return self.pg_dsn or f"postgresql://opledger@127.0.0.1:{self.pg_port}/opledger"
+        return self.pg_dsn or self._local_dsn("opledger")
 
     @property
     def consumer_dsn(self) -> str:
-        return (
-            self.consumer_pg_dsn
-            or f"postgresql://opledger@127.0.0.1:{self.pg_port}/opledger_consumer"
-        )
+        return self.consumer_pg_dsn or self._local_dsn("opledger_consumer")
+
+    @property
+    def pg_passfile_path(self) -> Path:
+        """The local stack's libpq password file (``opledger stack up`` makes it, 0600): its
+        server asks every connection for a password (SCRAM), and the DSN names this file
+        rather than holding the password, so no DSN printed or logged carries it."""
+        return self.home / "keys" / "pgpass"
+
+    def _local_dsn(self, database: str) -> str:
+        passfile = quote(str(self.pg_passfile_path), safe="/")
+        return f"postgresql://opledger@127.0.0.1:{self.pg_port}/{database}?passfile={passfile}"
 
     @property
     def consumer_secret_list(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger import pg
 from ledger.settings import Settings
@@ -133,23 +134,33 @@ def _pg_config_text(settings: Settings) -> str:
 def _init_pg(settings: Settings, bindir: Path) -> None:
     data = pg_data(settings)
     if not (data / "PG_VERSION").is_file():
-        run(
-            _as_pg_user(
-                [
-                    str(bindir / "initdb"),
-                    "-D",
-                    str(data),
-                    "-U",
-                    PG_USER,
-                    "--auth=trust",
-                    "-E",
-                    "UTF8",
-                    "--locale=C",
-                ]
-            ),
-            "initdb",
-            cwd=settings.home,
-        )
+        # Born with a password: no moment in which the server trusts whoever connects.
+        password_file = settings.home / f".initdb-password.{os.getpid()}"
+        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(_ensure_passfile(settings) + "\n")
+        _own(password_file)
+        try:
+            run(
+                _as_pg_user(
+                    [
+                        str(bindir / "initdb"),
+                        "-D",
+                        str(data),
+                        "-U",
+                        PG_USER,
+                        "--auth=scram-sha-256",
+                        f"--pwfile={password_file}",
+                        "-E",
+                        "UTF8",
+                        "--locale=C",
+                    ]
+                ),
+                "initdb",
+                cwd=settings.home,
+            )
+        finally:
+            password_file.unlink(missing_ok=True)
         conf = os.open(data / "postgresql.conf", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         with os.fdopen(conf, "a") as out:
             out.write("\ninclude_if_exists = 'opledger.conf'\n")
@@ -218,7 +229,63 @@ _PG_SESSION = "opledger-stack"
 
 
 def _admin_dsn(settings: Settings) -> str:
-    return f"postgresql://{PG_USER}@127.0.0.1:{settings.pg_port}/postgres"
+    return make_conninfo(
+        user=PG_USER,
+        host="127.0.0.1",
+        port=str(settings.pg_port),
+        dbname="postgres",
+        passfile=str(settings.pg_passfile_path),
+    )
+
+
+#: Every connection, over the socket or TCP, shows its role's password (SCRAM-SHA-256): a user
+#: of the machine is not a user of the database.
+_HBA = """# written by `opledger stack up` on every start; nobody on the machine is trusted
+local all all scram-sha-256
+host  all all 127.0.0.1/32 scram-sha-256
+host  all all ::1/128 scram-sha-256
+"""
+
+
+def _ensure_passfile(settings: Settings) -> str:
+    """The superuser's password, from the stack's passfile (made once, 0600)."""
+    path = settings.pg_passfile_path
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = f"*:*:*:{PG_USER}:{secrets.token_urlsafe(24)}\n"
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(line)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink()
+    return path.read_text().strip().rsplit(":", 1)[1]
+
+
+def require_passwords(settings: Settings) -> None:
+    """Give the superuser the passfile's password, then make the server ask every connection
+    for one. A cluster made before this (``trust`` for every local user) is converted on the
+    first `stack up` that meets it, while its old rule still lets the launcher in."""
+    password = _ensure_passfile(settings)
+    hba = pg_data(settings) / "pg_hba.conf"
+    if hba.is_file() and hba.read_text() == _HBA:
+        return
+    with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn:
+        # Hashed by libpq before it is sent: no statement the server may log holds it.
+        verifier = conn.pgconn.encrypt_password(
+            password.encode(), PG_USER.encode(), b"scram-sha-256"
+        ).decode()
+        conn.execute(
+            sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                sql.Identifier(PG_USER), sql.Literal(verifier)
+            )
+        )
+        _write_pg_owned(hba, _HBA)
+        conn.execute("SELECT pg_reload_conf()")
 
 
 def postgres_version(settings: Settings) -> str | None:
@@ -281,6 +348,7 @@ def ensure_database(settings: Settings) -> None:
                 f"lines:\n{tail(log_files(settings)['postgres'])}"
             )
         time.sleep(0.3)
+    require_passwords(settings)
     with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn:
         exists = conn.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", (PG_DATABASE,)

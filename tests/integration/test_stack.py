@@ -151,6 +151,46 @@ def test_postgres_listens_on_loopback_only_and_not_as_root(stack_settings: Setti
         assert Path(f"/proc/{pid}").stat().st_uid != 0
 
 
+def test_postgres_asks_every_connection_for_a_password(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """The probe found `trust` for every local user: anyone on the machine was the superuser.
+    Now every connection, over TCP or the socket, shows the role's password (SCRAM)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: PLC0415
+
+    from opledger.stack.home import pg_socket_dir  # noqa: PLC0415
+
+    empty = tmp_path / "pgpass"
+    empty.write_text("")
+    empty.chmod(0o600)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("*:*:*:opledger:not-the-password\n")
+    wrong.chmod(0o600)
+    attempts = {
+        "no password over TCP": make_conninfo(stack_settings.dsn, passfile=str(empty)),
+        "a wrong password": make_conninfo(stack_settings.dsn, passfile=str(wrong)),
+        "no password on the socket": make_conninfo(
+            stack_settings.dsn, host=str(pg_socket_dir(stack_settings)), passfile=str(empty)
+        ),
+        "another role, no password": make_conninfo(
+            stack_settings.dsn, user="postgres", passfile=str(empty)
+        ),
+    }
+    for what, dsn in attempts.items():
+        with pytest.raises(psycopg.OperationalError) as refused:
+            psycopg.connect(dsn, connect_timeout=5).close()
+        text = str(refused.value)
+        assert "password" in text, (what, text)
+    assert "password=" not in stack_settings.dsn, "the DSN names the passfile, never holds it"
+    assert conninfo_to_dict(stack_settings.dsn)["passfile"] == str(stack_settings.pg_passfile_path)
+    assert stack_settings.pg_passfile_path.stat().st_mode & 0o077 == 0
+    with psycopg.connect(stack_settings.dsn) as conn:  # the launcher's own file: admitted
+        methods = conn.execute(
+            "SELECT DISTINCT auth_method FROM pg_hba_file_rules WHERE error IS NULL"
+        ).fetchall()
+    assert methods == [("scram-sha-256",)]
+
+
 def test_missing_java_is_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(stack.StackError) as raised:
         stack.find_java(path=str(tmp_path))

@@ -20,7 +20,10 @@ def test_consumer_defaults() -> None:
         16068,
         300,
     )
-    assert s.consumer_dsn == "postgresql://opledger@127.0.0.1:15432/opledger_consumer"
+    assert s.consumer_dsn == (
+        "postgresql://opledger@127.0.0.1:15432/opledger_consumer"
+        f"?passfile={s.home}/keys/pgpass"
+    )
     assert s.consumer_secret_list == ()
     assert s.consumer_keys_topic == "opledger.consumer-keys.v1"
     assert (s.consumer_keepalive_timeout_s, s.consumer_request_timeout_s) == (75, 30)

@@ -22,7 +22,8 @@ def test_defaults() -> None:
     assert s.projector_group == "opledger-projector"
     assert (s.fault_points, s.log_level, s.kafka_version) == ("", "INFO", "4.4.0")
     assert s.bootstrap_servers == "127.0.0.1:19092"
-    assert s.dsn == "postgresql://opledger@127.0.0.1:15432/opledger"
+    # The password is in the stack's passfile, never in the DSN (printed, logged).
+    assert s.dsn == f"postgresql://opledger@127.0.0.1:15432/opledger?passfile={s.home}/keys/pgpass"
     assert s.replication_factor == 1, "the local stack's single broker"
 
 
@@ -61,7 +62,7 @@ def test_overrides() -> None:
     assert s.kafka_version == "4.0.0"
     assert s.replication_factor == 3
     assert s.bootstrap_servers == "127.0.0.1:29092"
-    assert s.dsn == "postgresql://opledger@127.0.0.1:25432/opledger"
+    assert s.dsn.startswith("postgresql://opledger@127.0.0.1:25432/opledger?passfile=")
 
 
 def test_explicit_bootstrap_and_dsn_win_over_ports() -> None:
@@ -145,7 +146,7 @@ def test_settings_are_frozen_and_with_validates() -> None:
     changed = s.with_(topic_prefix="t1", pg_port=5432)
     assert (changed.execution_topic, changed.dsn) == (
         "t1.execution.v1",
-        "postgresql://opledger@127.0.0.1:5432/opledger",
+        f"postgresql://opledger@127.0.0.1:5432/opledger?passfile={s.home}/keys/pgpass",
     )
     assert s.topic_prefix == "opledger"
     with pytest.raises(SettingsError):
