@@ -107,6 +107,9 @@ class ProjectionReport:
     skipped_redelivered: int = 0
     #: policy changes folded into the policy tables
     policy_changes: int = 0
+    #: why each policy change read but not applied was not (its event id folded already from
+    #: another offset: a replayed record), in log order
+    policy_stale: list[str] = field(default_factory=list)
     #: (machine, rejection kind) -> anomalies of that kind
     anomaly_kinds: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: dead-lettered deliveries sent again by a person

@@ -727,6 +727,11 @@ class BatchProjector:
             m.delivery_redrives.inc(report.redrives)
         if report.policy_changes:
             m.projected_events.labels("policy", "applied").inc(report.policy_changes)
+        if report.policy_stale:
+            m.projected_events.labels("policy", "anomaly").inc(len(report.policy_stale))
+            m.anomalies.labels("policy", "replayed_policy_change").inc(len(report.policy_stale))
+            for reason in report.policy_stale:
+                log.warning("policy change not applied: %s", reason)
         # One observation per event, as the metric is documented; the bound method and the
         # inline clamp keep it to the histogram's own cost.
         now = self._clock()
@@ -752,4 +757,5 @@ def _merge(total: ProjectionReport, report: ProjectionReport) -> None:
     total.dead_letters += report.dead_letters
     total.skipped_redelivered += report.skipped_redelivered
     total.policy_changes += report.policy_changes
+    total.policy_stale += report.policy_stale
     total.rewind.update(report.rewind)

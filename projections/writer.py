@@ -44,6 +44,7 @@ from ledger.domain.fold import (
 from ledger.domain.policy import PolicyChange
 from ledger.pg import LOCK_TIMEOUT_MS
 from ledger.records import (
+    Coordinates,
     DeadLetter,
     OpenAges,
     ProjectionBatch,
@@ -534,8 +535,8 @@ class PostgresProjection:
             self._copy(cur, "dead_letters", _DEAD_LETTER_COLUMNS, [_dead_row(d) for d in dead])
             report.dead_letters = len(dead)
             if policy:
-                _write_policy(cur, policy)
-                report.policy_changes = len(policy)
+                report.policy_stale = _write_policy(cur, policy)
+                report.policy_changes = len(policy) - len(report.policy_stale)
             self._write_current(
                 cur,
                 table="agent_operations",
@@ -843,6 +844,7 @@ _POLICY_HISTORY_COLUMNS = (
     "occurred_at",
     "signed_by",
     "signature",
+    "refused_reason",
 )
 _GRANT_COLUMNS = (
     "tenant_id",
@@ -893,18 +895,45 @@ _INSERT_POLICY_HISTORY = (
 )
 
 
-def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChange]) -> None:
-    """Fold policy changes (in log order) into the policy tables, in the batch's transaction.
+_SEEN_BEFORE = """SELECT event_id, topic, partition, "offset" FROM policy_history
+ WHERE event_id = ANY(%s) AND refused_reason IS NULL"""
 
-    The state of a subject is its last record's, whatever came before: the same rows a replay of
-    the compacted topic (which keeps only that record) gives. Changes are rare, so plain
+
+def _folded_before(
+    cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChange]
+) -> dict[str, Coordinates]:
+    """Event id -> where it was folded, for ``changes`` whose event id was folded already."""
+    cur.execute(_SEEN_BEFORE, ([c.event.event_id for c in changes],))
+    return {event_id: Coordinates(t, p, o) for event_id, t, p, o in cur.fetchall()}
+
+
+def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChange]) -> list[str]:
+    """Fold policy changes (in log order) into the policy tables, in the batch's transaction;
+    returns why each change that was not applied was not.
+
+    The state of a subject is its last change's in log order, whatever its timestamp: the same
+    rows a replay of the compacted topic (which keeps only that record) gives. A change whose
+    event id was folded already, from another offset, is a replay (signed once, a record can be
+    written again later: a replayed grant would undo the revocation that followed it); it is
+    kept in ``policy_history`` with the reason and not applied. Changes are rare, so plain
     statements do; the operation records' COPY path is not involved.
     """
     history: list[tuple[Any, ...]] = []
     grants: dict[bytes, tuple[Any, ...]] = {}
     credentials: dict[bytes, tuple[Any, ...]] = {}
+    stale: list[str] = []
+    folded = _folded_before(cur, changes)
     for item in changes:
         c, e = item.coordinates, item.event
+        first = folded.setdefault(e.event_id, c)
+        refused = None
+        if first != c:
+            refused = (
+                f"{e.event_id} ({e.change.value}, at {c.topic}[{c.partition}]@{c.offset}) was "
+                f"folded already from {first.topic}[{first.partition}]@{first.offset}: a "
+                "replayed record, not a new change"
+            )
+            stale.append(refused)
         history.append(
             (
                 c.topic,
@@ -926,8 +955,11 @@ def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChang
                 e.occurred_at,
                 e.signed_by,
                 e.signature,
+                refused,
             )
         )
+        if refused is not None:
+            continue
         if e.change is PolicyChange.REVOKE_CREDENTIAL:
             credentials[e.subject_key()] = (
                 e.tenant_id,
@@ -963,3 +995,4 @@ def _write_policy(cur: psycopg.Cursor[Any], changes: Sequence[SourcedPolicyChang
         cur.executemany(_UPSERT_GRANT, list(grants.values()))
     if credentials:
         cur.executemany(_UPSERT_REVOKED_CREDENTIAL, list(credentials.values()))
+    return stale

@@ -260,3 +260,43 @@ def test_key_rotation_with_the_cli_and_show_says_who_signed(
     lines = {line.split("│")[2].strip(): line for line in shown.stdout.splitlines() if "│" in line}
     assert "not the operator's: refused" in lines["send_email"]
     assert "active" in lines[TOOL]
+
+
+@pytest.mark.parametrize("one_batch", [False, True], ids=["batches", "one-batch"])
+def test_a_replayed_signed_grant_does_not_undo_the_revocation_after_it(
+    isolated: Settings, one_batch: bool
+) -> None:
+    """A signature says who wrote a change, not when: the operator's own grant, written again
+    by anyone after its revocation, must not bring the grant back. The projector keeps it in the
+    history with the reason, counts it, and the revocation still decides."""
+    operator = ensure_local_keys(isolated)
+    granted = operator.sign(policy_change(principal=ACTOR, tool_name=TOOL))
+    revoked = operator.sign(policy_change(PolicyChange.REVOKE, principal=ACTOR, tool_name=TOOL))
+    _write_as_anyone(isolated, granted)
+    if not one_batch:
+        project_in_process(isolated)
+    _write_as_anyone(isolated, revoked)
+    if not one_batch:
+        project_in_process(isolated)
+    _write_as_anyone(isolated, granted)  # the same signed bytes, replayed
+    projector = project_in_process(isolated)
+    with psycopg.connect(isolated.dsn) as conn:
+        rows = conn.execute(
+            "SELECT version, revoked FROM policy_grants WHERE tool_name = %s", (TOOL,)
+        ).fetchall()
+        history = conn.execute(
+            'SELECT "offset", event_id, refused_reason FROM policy_history ORDER BY 1'
+        ).fetchall()
+    assert rows == [(revoked.event_id, True)]
+    assert [(o, e) for o, e, _ in history] == [
+        (0, granted.event_id),
+        (1, revoked.event_id),
+        (2, granted.event_id),
+    ]
+    assert history[0][2] is None and history[1][2] is None
+    assert history[2][2] is not None and "was folded already from" in history[2][2]
+    assert f"{isolated.policy_topic}[0]@0" in history[2][2]
+    assert _dead_letter_reasons(isolated) == {}  # signed and well-formed: history, not DLQ
+    # What an operator's dashboard would see.
+    counted = projector._metrics.anomalies.labels("policy", "replayed_policy_change")._value.get()
+    assert counted == 1.0

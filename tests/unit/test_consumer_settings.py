@@ -21,8 +21,7 @@ def test_consumer_defaults() -> None:
         300,
     )
     assert s.consumer_dsn == (
-        "postgresql://opledger@127.0.0.1:15432/opledger_consumer"
-        f"?passfile={s.home}/keys/pgpass"
+        f"postgresql://opledger@127.0.0.1:15432/opledger_consumer?passfile={s.home}/keys/pgpass"
     )
     assert s.consumer_secret_list == ()
     assert s.consumer_keys_topic == "opledger.consumer-keys.v1"
