@@ -339,6 +339,27 @@ def destinations_rekey(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def destinations_key_create(args: argparse.Namespace, settings: Settings) -> int:
+    """``opledger destinations key create``: a key file for OPLEDGER_SECRETS_KEY_FILE."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from ledger.secret_box import SecretBox, new_key_line  # noqa: PLC0415
+
+    path = Path(args.out)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        print(f"{path} exists: a key is never overwritten; choose another path", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
+    with os.fdopen(fd, "w") as out:
+        out.write(new_key_line() + "\n")
+    print(f"secrets key {SecretBox.load(path).current_id} written to {path} (mode 0600)")
+    return EXIT_OK
+
+
 def destinations_rotate_key(args: argparse.Namespace, settings: Settings) -> int:
     """``opledger destinations rotate-key``: add a key, seal everything under it, drop the old.
 
@@ -658,6 +679,13 @@ def register(commands: Any) -> None:
         help="keep the old key in the file (drop it later by hand, then run rekey)",
     )
     rotate_key.set_defaults(handler="opledger.deliver:destinations_rotate_key")
+    key = actions.add_parser("key", help="the key destinations' secrets are sealed with")
+    key_actions = key.add_subparsers(dest="key_action", required=True, metavar="KEY_ACTION")
+    create = key_actions.add_parser(
+        "create", help="write a new secrets key file (mode 0600; never overwritten)"
+    )
+    create.add_argument("--out", required=True, metavar="PATH", help="where")
+    create.set_defaults(handler="opledger.deliver:destinations_key_create")
 
     parser = commands.add_parser("deliveries", help="dead-lettered deliveries: send them again")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -80,7 +80,10 @@ def add_destinations(settings: Settings, *, consumer_url: str, secret: str, topi
     """Each tenant's destinations (replacing the demo's own, leaving any other alone)."""
     from ledger.destinations import DestinationStore, Kind  # noqa: PLC0415
     from ledger.pg import open_pool  # noqa: PLC0415
+    from ledger.secret_box import ensure_local_secret_key  # noqa: PLC0415
 
+    # As `stack up` makes it: a demo home whose workers were started without `up` has none.
+    ensure_local_secret_key(settings)
     with open_pool(settings.dsn, name="opledger-demo", max_size=1) as pool:
         store = DestinationStore(pool, settings)
         for route in ROUTES:

@@ -112,7 +112,12 @@ def test_the_sdk_refuses_to_dispatch_while_a_revocation_waits_unfolded(isolated:
         first = recorder.execute(TENANT, ACTOR, TOOL, {"n": 1})
         assert first.state is ExecutionState.SUCCEEDED, first.error
         revocation = grant(isolated, TENANT, actor=ACTOR, tool=TOOL, revoke=True)  # no projector
+        acknowledged = time.monotonic()
         _until(lambda: freshness.stale_reason() is not None)
+        # The recorder's own probe last saw the view current at most when the revocation was
+        # acknowledged; it may have looked up to one refresh after this test's probe did, so
+        # its promise (decision 022) runs out one staleness limit after the acknowledgement.
+        time.sleep(max(0.0, acknowledged + 0.3 + 0.1 - time.monotonic()))
         second = recorder.execute(TENANT, ACTOR, TOOL, {"n": 2})
         assert second.refused and second.state is ExecutionState.FAILED
         assert "cannot be vouched for" in (second.error or "")

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from ledger.destinations import new_secret
-from ledger.secret_box import SecretBox, ensure_local_secret_key
+from ledger.secret_box import SecretBox
 from ledger.settings import Settings
 from ledger.topics import topic_specs
 from opledger.stack import find_pg_bindir
@@ -103,7 +103,13 @@ def test_no_secret_a_run_used_is_found_in_anything_it_wrote(
     settings = isolated.with_(
         secrets_key_file=str(tmp_path / "secrets.key"), delivery_web_port=free_port()
     )
-    first_key = ensure_local_secret_key(settings)
+    made = _cli(settings, "key", "create", "--out", str(settings.secrets_key_path))
+    assert made.returncode == 0, made.stderr
+    assert settings.secrets_key_path.stat().st_mode & 0o077 == 0
+    again = _cli(settings, "key", "create", "--out", str(settings.secrets_key_path))
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    first_key = SecretBox.load(settings.secrets_key_path)
+    assert first_key.current_id in made.stdout
     key_texts = [_key_text(settings.secrets_key_path)]
     given, rotated, legacy = new_secret(), new_secret(), new_secret()
     receiver = ScriptedReceiver(rotated)
