@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import os
 import threading
@@ -31,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ledger.domain.events import PolicyChanged
+from ledger.private_files import key_file_lines, reread_on_change
 from ledger.settings import Settings
 
 _PRIVATE_PREFIX = "ed25519-private:"
@@ -86,14 +86,13 @@ class OperatorKey:
                 f"cannot read the operator signing key at {path}: only the operator may sign "
                 "policy changes"
             ) from None
-        raw = text.removeprefix(_PRIVATE_PREFIX)
         try:
-            seed = base64.b64decode(raw, validate=True)
-        except (binascii.Error, ValueError):
-            seed = b""
-        if raw == text or len(seed) != 32:
+            seeds = key_file_lines(path, text, _PRIVATE_PREFIX)
+        except ValueError:
+            seeds = []
+        if len(seeds) != 1:
             raise PolicyKeyError(f"{path} does not hold an operator key ({_PRIVATE_PREFIX}...)")
-        return cls.from_private(Ed25519PrivateKey.from_private_bytes(seed))
+        return cls.from_private(Ed25519PrivateKey.from_private_bytes(seeds[0]))
 
     def save(self, path: Path) -> None:
         """Write the private key to ``path`` (created 0600; never overwritten)."""
@@ -129,23 +128,13 @@ class TrustedKeys:
     def load(cls, path: Path) -> TrustedKeys:
         """The keys listed in ``path``; no file: none (every change is refused)."""
         try:
-            lines = path.read_text().splitlines()
+            text = path.read_text()
         except FileNotFoundError:
             return cls([], str(path))
-        publics = []
-        for number, line in enumerate(lines, start=1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            raw = text.removeprefix(_PUBLIC_PREFIX)
-            try:
-                public = base64.b64decode(raw, validate=True)
-            except (binascii.Error, ValueError):
-                public = b""
-            if raw == text or len(public) != 32:
-                raise PolicyKeyError(f"{path} line {number} is not '{_PUBLIC_PREFIX}<base64>'")
-            publics.append(public)
-        return cls(publics, str(path))
+        try:
+            return cls(key_file_lines(path, text, _PUBLIC_PREFIX), str(path))
+        except ValueError as exc:
+            raise PolicyKeyError(str(exc)) from None
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -182,19 +171,12 @@ class TrustedKeys:
         return self.refusal(change.signed_bytes(), change.signed_by, change.signature)
 
 
-@functools.lru_cache(maxsize=8)
-def _trusted_cached(path: Path, mtime_ns: int) -> TrustedKeys:
-    return TrustedKeys.load(path)
+_read_trusted = reread_on_change(TrustedKeys.load)
 
 
 def trusted_keys(settings: Settings) -> TrustedKeys:
     """The trusted keys ``settings`` name, read again when the file changes."""
-    path = settings.policy_trusted_keys_path
-    try:
-        mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
-        mtime = -1
-    return _trusted_cached(path, mtime)
+    return _read_trusted(settings.policy_trusted_keys_path)
 
 
 def operator_key(settings: Settings) -> OperatorKey:

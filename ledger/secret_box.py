@@ -12,8 +12,6 @@ A database dump, a backup or an analyst who reaches the table holds only ciphert
 from __future__ import annotations
 
 import base64
-import binascii
-import functools
 import hashlib
 import os
 import re
@@ -23,6 +21,12 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ledger.private_files import (
+    create_private_once,
+    key_file_lines,
+    reread_on_change,
+    write_private,
+)
 from ledger.settings import Settings
 
 _KEY_PREFIX = "aes256gcm:"
@@ -61,7 +65,7 @@ class SecretBox:
     @classmethod
     def load(cls, path: Path) -> SecretBox:
         try:
-            lines = path.read_text().splitlines()
+            text = path.read_text()
         except FileNotFoundError:
             raise SecretKeyError(
                 f"no secrets key at {path}: destinations' signing secrets are sealed with it "
@@ -70,19 +74,10 @@ class SecretBox:
             ) from None
         except PermissionError:
             raise SecretKeyError(f"cannot read the secrets key at {path}") from None
-        keys = []
-        for number, line in enumerate(lines, start=1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            raw = text.removeprefix(_KEY_PREFIX)
-            try:
-                key = base64.b64decode(raw, validate=True)
-            except (binascii.Error, ValueError):
-                key = b""
-            if raw == text or len(key) != 32:
-                raise SecretKeyError(f"{path} line {number} is not '{_KEY_PREFIX}<base64>'")
-            keys.append((_key_id(key), key))
+        try:
+            keys = [(_key_id(key), key) for key in key_file_lines(path, text, _KEY_PREFIX)]
+        except ValueError as exc:
+            raise SecretKeyError(str(exc)) from None
         if not keys:
             raise SecretKeyError(f"{path} holds no key")
         return cls(tuple(keys), str(path))
@@ -132,31 +127,17 @@ class SecretBox:
         return stored.startswith(f"{_SEALED_PREFIX}{self.current_id}:")
 
 
-@functools.lru_cache(maxsize=8)
-def _box_cached(path: Path, mtime_ns: int) -> SecretBox:
-    return SecretBox.load(path)
+_read_box = reread_on_change(SecretBox.load)
 
 
 def secret_box(settings: Settings) -> SecretBox:
     """The box ``settings`` name, read again when the key file changes (a rotation)."""
-    path = settings.secrets_key_path
-    try:
-        mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
-        mtime = -1
-    return _box_cached(path, mtime)
+    return _read_box(settings.secrets_key_path)
 
 
 def write_key_file(path: Path, lines: list[str]) -> None:
     """Replace ``path`` with ``lines`` atomically, mode 0600 from the start."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write("".join(f"{line}\n" for line in lines))
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+    write_private(path, "".join(f"{line}\n" for line in lines))
 
 
 def key_lines(path: Path) -> list[str]:
@@ -169,17 +150,5 @@ def key_lines(path: Path) -> list[str]:
 
 def ensure_local_secret_key(settings: Settings) -> SecretBox:
     """The local stack's key, created once (`opledger stack up`)."""
-    path = settings.secrets_key_path
-    if not path.exists():
-        # Written aside, then linked into place: a reader never sees a half-written key, and
-        # of two processes making it at once, one key wins.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
-        write_key_file(temporary, [new_key_line()])
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink()
+    create_private_once(settings.secrets_key_path, lambda: new_key_line() + "\n")
     return secret_box(settings)

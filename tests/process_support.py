@@ -16,6 +16,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m opledger.cli ARGV`` with ``env``, run to its end (two minutes at most), its
+    output captured: a command as an operator types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "opledger.cli", *argv],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def start_cli(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """``python -m opledger.cli ARGV`` with ``env``, its output appended to ``log``."""
     return subprocess.Popen(

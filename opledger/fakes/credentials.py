@@ -8,10 +8,10 @@ relies on, or read which operations ran."""
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from pathlib import Path
 
+from ledger.private_files import create_private_once
 from ledger.settings import Settings
 from opledger.fakes.model import FakeProviderError
 
@@ -28,19 +28,7 @@ def control_token_path(settings: Settings) -> Path:
 
 def ensure_control_token(settings: Settings) -> str:
     """The token, made once (written aside and linked into place, so no reader sees half)."""
-    path = control_token_path(settings)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(32) + "\n")
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink()
+    create_private_once(control_token_path(settings), lambda: secrets.token_urlsafe(32) + "\n")
     return control_token(settings)
 
 

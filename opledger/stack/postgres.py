@@ -18,6 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger import pg
+from ledger.private_files import create_private_once
 from ledger.settings import Settings
 from opledger import supervisor
 from opledger.stack.errors import StackError
@@ -250,19 +251,7 @@ host  all all ::1/128 scram-sha-256
 def _ensure_passfile(settings: Settings) -> str:
     """The superuser's password, from the stack's passfile (made once, 0600)."""
     path = settings.pg_passfile_path
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        line = f"*:*:*:{PG_USER}:{secrets.token_urlsafe(24)}\n"
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(line)
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink()
+    create_private_once(path, lambda: f"*:*:*:{PG_USER}:{secrets.token_urlsafe(24)}\n")
     return path.read_text().strip().rsplit(":", 1)[1]
 
 

@@ -34,6 +34,7 @@ from ledger.pg import open_pool
 from ledger.policy_store import NO_PROJECTION, PolicyStore, read_matching
 from ledger.settings import Settings
 from opledger.workload import Workload
+from tests.process_support import run_cli
 from tests.support import (
     assert_projection_matches,
     env_for,
@@ -375,14 +376,7 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
 
 
 def _cli(settings: Settings, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "policy", *argv],
-        check=False,
-        env=env_for(settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(env_for(settings), "policy", *argv)
 
 
 def _policy_records(settings: Settings) -> int:

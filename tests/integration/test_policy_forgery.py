@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import stat
 import subprocess
-import sys
 from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +28,7 @@ from ledger.tools import ProviderTerms
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
 from producers import TransitionRecorder
+from tests.process_support import run_cli
 from tests.support import env_for, grant, policy_change, project_in_process
 
 pytestmark = pytest.mark.integration
@@ -201,14 +201,7 @@ def test_a_revocation_by_a_stranger_does_not_revoke_either(isolated: Settings) -
 
 
 def _cli(settings: Settings, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "policy", *argv],
-        check=False,
-        env=env_for(settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(env_for(settings), "policy", *argv)
 
 
 def test_key_rotation_with_the_cli_and_show_says_who_signed(

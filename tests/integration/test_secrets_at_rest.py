@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,7 @@ from ledger.topics import topic_specs
 from opledger.stack import find_pg_bindir
 from producers import TransitionRecorder
 from tests.delivery_support import ScriptedReceiver
-from tests.process_support import ROOT, kill, start_cli, wait_http
+from tests.process_support import ROOT, kill, run_cli, start_cli, wait_http
 from tests.support import (
     env_for,
     free_port,
@@ -38,15 +37,7 @@ TENANT, ACTOR, TOOL = "acme", "agent-7", "send_email"
 
 
 def _cli(settings: Settings, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "destinations", *argv],
-        env=env_for(settings, PYTHONPATH=str(ROOT), **env),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_cli(env_for(settings, PYTHONPATH=str(ROOT), **env), "destinations", *argv)
 
 
 def _dump(settings: Settings) -> bytes:
