@@ -362,6 +362,7 @@ class KeyStorePublisher:
         self._pending: collections.deque[KeyEntry] = collections.deque()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
 
     # -- called by request handlers -------------------------------------------------------------
 
@@ -405,6 +406,7 @@ class KeyStorePublisher:
     # -- the background thread ------------------------------------------------------------------
 
     def start(self) -> None:
+        self._started = time.monotonic()
         self._thread = threading.Thread(
             target=self._serve, name="opledger-keystore-publisher", daemon=True
         )
@@ -421,7 +423,10 @@ class KeyStorePublisher:
                 self._mark()
                 last_mark = now
             if now >= next_sweep:
-                grace = 0.0 if next_sweep == 0.0 else self._sweep_grace_s
+                # The first sweep republishes what a crash left: rows committed before this
+                # publisher started, not the ones being received now, whose acknowledgement
+                # is on its way (republished, each key reached the store twice).
+                grace = now - self._started if next_sweep == 0.0 else self._sweep_grace_s
                 try:
                     self.sweep(grace)
                 except (DatabaseUnavailableError, DatabaseError) as exc:
