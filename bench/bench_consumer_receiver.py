@@ -469,6 +469,7 @@ def main() -> None:
             PYTHONPATH=str(REPO),
             OPLEDGER_HOME=str(settings.home),
             OPLEDGER_KAFKA_BOOTSTRAP=settings.bootstrap_servers,
+            OPLEDGER_KAFKA_SECURITY=settings.kafka_security_protocol,
             OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
             OPLEDGER_PARTITIONS=str(settings.partitions),
             OPLEDGER_PG_DSN=settings.dsn,

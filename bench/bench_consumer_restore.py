@@ -42,6 +42,7 @@ from consumers.keystore import (
     restore,
 )
 from ledger.domain.ids import operation_id
+from ledger.kafka import connection_config
 from ledger.log import end_offsets
 from ledger.settings import Settings
 
@@ -58,7 +59,7 @@ def produce(settings: Settings, keys: int, other: int, seed: int) -> None:
     rng = random.Random(seed)
     producer = Producer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 50,
@@ -98,7 +99,7 @@ def raw_consume(settings: Settings) -> tuple[int, float]:
     ends = {p: o for (_, p), o in end_offsets(settings, [topic]).items() if o > 0}
     reader = Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "group.id": f"{settings.topic_prefix}-raw",
             "enable.auto.commit": False,
             "enable.partition.eof": False,

@@ -43,6 +43,7 @@ from confluent_kafka import OFFSET_END, Consumer, Producer, TopicPartition
 from benchenv import isolated, producer
 from ledger.codec import default_codec
 from ledger.domain.events import Transition
+from ledger.kafka import connection_config
 from ledger.settings import Settings
 from opledger.workload import Workload
 
@@ -290,7 +291,7 @@ class RawReader(threading.Thread):
         self.ready = threading.Event()
         self._consumer = Consumer(
             {
-                "bootstrap.servers": settings.bootstrap_servers,
+                **connection_config(settings),
                 "group.id": "bench-latency-raw",
                 "enable.auto.commit": False,
             }

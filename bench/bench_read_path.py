@@ -41,6 +41,7 @@ from confluent_kafka.cimpl import NewTopic
 from benchenv import isolated, producer
 from ledger.codec import default_codec
 from ledger.domain.events import Transition
+from ledger.kafka import connection_config
 from ledger.settings import Settings
 from opledger.workload import Workload
 
@@ -66,7 +67,7 @@ def workload_events(count: int, seed: int) -> list[Transition]:
 
 
 def create_topic(settings: Settings, name: str) -> None:
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(settings)})
     for future in admin.create_topics([NewTopic(name, PARTITIONS, 1)]).values():
         future.result(timeout=30)
 
@@ -103,7 +104,7 @@ def raw_read(settings: Settings, topic: str, total: int, decode: bool) -> float:
     """Seconds from the first record received to the ``total``-th, assign + consume() loop."""
     consumer = Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             # assign() without commits: the group id is never registered on the broker.
             "group.id": f"{settings.topic_prefix}-raw-{uuid4().hex[:6]}",
             "enable.auto.commit": False,
@@ -240,7 +241,7 @@ def delete_groups(settings: Settings, groups: list[str]) -> None:
     """faust commits its offsets under the app id; drop those groups with the topics."""
     if not groups:
         return
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(settings)})
     for group, future in admin.delete_consumer_groups(groups, request_timeout=15).items():
         try:
             future.result(timeout=30)

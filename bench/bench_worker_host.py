@@ -184,6 +184,7 @@ def main() -> None:
         "PYTHONPATH": str(ROOT),
         "OPLEDGER_TOPIC_PREFIX": prefix,
         "OPLEDGER_KAFKA_BOOTSTRAP": settings.bootstrap_servers,
+        "OPLEDGER_KAFKA_SECURITY": settings.kafka_security_protocol,
     }
     results: dict[str, list[dict[str, float]]] = {"faust": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,7 @@ from psycopg.conninfo import make_conninfo
 
 from ledger.codec import default_codec
 from ledger.domain.events import Transition
+from ledger.kafka import connection_config
 from ledger.settings import Settings
 from ledger.topics import ensure_topics, topic_specs
 from opledger import db
@@ -56,6 +57,8 @@ def drop_database(settings: Settings, name: str) -> None:
 @contextmanager
 def isolated(base: Settings, label: str, extra_databases: int = 0) -> Iterator[Isolated]:
     """A private topic prefix + database (and ``extra_databases`` more), removed on exit."""
+    # The broker's admin, as the test suite is: a benchmark makes and drops its own topics.
+    base = base.as_kafka_role("admin")
     tag = f"bench{label}{uuid4().hex[:8]}"
     names = [f"opledger_{tag}"] + [f"opledger_{tag}_{i}" for i in range(extra_databases)]
     created: list[str] = []
@@ -74,7 +77,7 @@ def isolated(base: Settings, label: str, extra_databases: int = 0) -> Iterator[I
             drop_database(base, name)
         # Our topics, and any a worker made under the same unique prefix (faust's
         # "<prefix>-projector-__assignor-__leader").
-        admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+        admin = AdminClient({**connection_config(settings)})
         existing = admin.list_topics(timeout=10).topics
         doomed = {spec.name for spec in topic_specs(settings)} & existing.keys()
         doomed |= {t for t in existing if t.startswith((f"{tag}.", f"{tag}-"))}
@@ -87,7 +90,7 @@ def producer(settings: Settings, linger_ms: int = 5) -> Producer:
     """The producer configuration the tests (and the SDK) append with."""
     return Producer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": linger_ms,

@@ -161,7 +161,7 @@ def _read_back(
     if not letters:
         return found, missing
     reader = new_consumer(
-        settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
+        settings, group_id=f"{settings.topic_prefix}-consumer-redrive", client_id="opledger-redrive"
     )
     try:
         for source, letter in sorted(letters.items()):
@@ -238,7 +238,7 @@ def _letters_of(
     coordinates, the first copy of each."""
     topic = settings.consumer_dead_letter_topic
     reader = new_consumer(
-        settings, group_id="opledger-consumer-redrive", client_id="opledger-redrive"
+        settings, group_id=f"{settings.topic_prefix}-consumer-redrive", client_id="opledger-redrive"
     )
     try:
         partitions = reader.list_topics(topic, timeout=timeout_s).topics[topic].partitions

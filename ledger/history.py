@@ -284,6 +284,8 @@ class HistoryReader:
     def _open(self) -> Consumer:
         if self._consumer is None:
             self._consumer = new_consumer(
-                self._settings, group_id=f"{self._client_id}-reader", client_id=self._client_id
+                self._settings,
+                group_id=self._settings.readers_group(self._client_id),
+                client_id=self._client_id,
             )
         return self._consumer

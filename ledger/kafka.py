@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ledger.settings import Settings
@@ -72,9 +73,43 @@ _log.addFilter(_RepeatFilter())
 KAFKA_LOGGER = _LibrdkafkaLogger(_log, {})
 
 
+class KafkaCredentialsError(RuntimeError):
+    """The broker asks for a password this process does not have."""
+
+
+def _password(path: Path) -> str:
+    try:
+        first = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise KafkaCredentialsError(
+            f"no Kafka password at {path}: `opledger stack up` makes the local stack's, "
+            "or set OPLEDGER_KAFKA_PASSWORD_FILE"
+        ) from None
+    if not first or not first[0].strip():
+        raise KafkaCredentialsError(f"the Kafka password file {path} is empty")
+    return first[0].strip()
+
+
+def connection_config(settings: Settings) -> dict[str, Any]:
+    """Where the broker is and how to prove who we are: the part of every client's
+    configuration that tools outside the package (tests, benchmarks) must also use."""
+    protocol = settings.kafka_security_protocol
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "security.protocol": protocol,
+    }
+    if protocol.startswith("sasl_"):
+        config["sasl.mechanism"] = settings.kafka_sasl_mechanism
+        config["sasl.username"] = settings.kafka_user
+        config["sasl.password"] = _password(settings.kafka_password_path)
+    if protocol == "sasl_ssl" and settings.kafka_ca_file:
+        config["ssl.ca.location"] = settings.kafka_ca_file
+    return config
+
+
 def _common(settings: Settings, client_id: str) -> dict[str, Any]:
     return {
-        "bootstrap.servers": settings.bootstrap_servers,
+        **connection_config(settings),
         "client.id": client_id,
         "logger": KAFKA_LOGGER,
         # A restarted broker comes back on the same address; reconnect quickly but not in a

@@ -472,7 +472,7 @@ class PolicyFreshness:
             # Never subscribes nor commits: it only asks for watermarks.
             self._consumer = new_consumer(
                 self._settings,
-                group_id=f"{self._settings.projector_group}.policy-freshness",
+                group_id=self._settings.readers_group("policy-freshness"),
                 client_id="opledger-policy-freshness",
             )
         if self._partitions is None:

@@ -25,6 +25,10 @@ from ledger.domain.schedule import RetryPolicy, parse_schedule
 _TOPIC_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 # No "/": it separates the consumer from the operation id in the key store's record keys.
 _CONSUMER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_PRINCIPAL = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: What OPLEDGER_KAFKA_SECURITY may say (librdkafka's security.protocol values we support).
+KAFKA_SECURITY_PROTOCOLS = ("plaintext", "sasl_plaintext", "sasl_ssl")
+KAFKA_SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
 #: standardwebhooks 1.1.0 refuses a webhook-timestamp more than 5 minutes from now, whatever its
 #: caller wants (the window is a constant in its source), so a wider tolerance could not work.
 MAX_TIMESTAMP_TOLERANCE_S = 300
@@ -102,6 +106,23 @@ class Settings:
     kafka_controller_port: int = 19093
     #: OPLEDGER_KAFKA_BOOTSTRAP: bootstrap servers; defaults to the local broker.
     kafka_bootstrap: str = ""
+    #: OPLEDGER_KAFKA_SECURITY: how clients reach the broker: ``sasl_plaintext`` (the local
+    #: stack), ``sasl_ssl`` (TLS, with OPLEDGER_KAFKA_CA_FILE for a private CA) or
+    #: ``plaintext``. Empty: ``sasl_plaintext`` for the local broker, ``plaintext`` when
+    #: OPLEDGER_KAFKA_BOOTSTRAP names another (decision 029).
+    kafka_security: str = ""
+    #: OPLEDGER_KAFKA_PRINCIPAL: the SCRAM user this process authenticates as. Empty: the role
+    #: of the command that runs (``projector``, ``recovery``, ``delivery``, ``consumer``,
+    #: ``operator`` for policy changes, ``sdk`` for everything else; ``ledger.kafka_access``).
+    kafka_principal: str = ""
+    #: OPLEDGER_KAFKA_PASSWORD_FILE: the file holding that user's password (its first line).
+    #: Empty: ``<home>/keys/kafka-<principal>.password``, which `opledger stack up` creates.
+    kafka_password_file: str = ""
+    #: OPLEDGER_KAFKA_SASL_MECHANISM: SCRAM-SHA-512 unless a broker asks for another.
+    kafka_sasl_mechanism: str = "SCRAM-SHA-512"
+    #: OPLEDGER_KAFKA_CA_FILE: PEM of the CA that signed the brokers' certificates
+    #: (``sasl_ssl`` only); empty: the system's trust store.
+    kafka_ca_file: str = ""
     #: OPLEDGER_KAFKA_VERSION: the Apache Kafka release the local stack runs (Maven version).
     kafka_version: str = "4.4.0"
     #: OPLEDGER_TOPIC_PREFIX: prefix of every topic name; tests use their own to stay isolated.
@@ -263,6 +284,11 @@ class Settings:
             kafka_controller_port=_int(env, "OPLEDGER_KAFKA_CONTROLLER_PORT", 19093),
             kafka_bootstrap=env.get("OPLEDGER_KAFKA_BOOTSTRAP", ""),
             kafka_version=env.get("OPLEDGER_KAFKA_VERSION", "4.4.0"),
+            kafka_security=env.get("OPLEDGER_KAFKA_SECURITY", ""),
+            kafka_principal=env.get("OPLEDGER_KAFKA_PRINCIPAL", ""),
+            kafka_password_file=env.get("OPLEDGER_KAFKA_PASSWORD_FILE", ""),
+            kafka_sasl_mechanism=env.get("OPLEDGER_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
+            kafka_ca_file=env.get("OPLEDGER_KAFKA_CA_FILE", ""),
             topic_prefix=env.get("OPLEDGER_TOPIC_PREFIX", "opledger"),
             partitions=_int(env, "OPLEDGER_PARTITIONS", 6),
             replication_factor=_int(env, "OPLEDGER_REPLICATION_FACTOR", 1),
@@ -413,6 +439,21 @@ class Settings:
                     f"{_var('consumer_secrets')}: secret {number} is not 'whsec_' followed by "
                     "base64 of 24 to 64 bytes"
                 )
+        if self.kafka_security not in ("", *KAFKA_SECURITY_PROTOCOLS):
+            raise SettingsError(
+                f"{_var('kafka_security')} must be one of {', '.join(KAFKA_SECURITY_PROTOCOLS)}, "
+                f"got {self.kafka_security!r}"
+            )
+        if self.kafka_principal and not _PRINCIPAL.fullmatch(self.kafka_principal):
+            raise SettingsError(
+                f"{_var('kafka_principal')} may hold letters, digits, '.', '_' and '-' only "
+                f"(1-64 characters), got {self.kafka_principal!r}"
+            )
+        if self.kafka_sasl_mechanism not in KAFKA_SASL_MECHANISMS:
+            raise SettingsError(
+                f"{_var('kafka_sasl_mechanism')} must be one of {', '.join(KAFKA_SASL_MECHANISMS)}"
+                f", got {self.kafka_sasl_mechanism!r}"
+            )
         if not _TOPIC_PREFIX.match(self.topic_prefix):
             raise SettingsError(
                 f"{_var('topic_prefix')} may hold letters, digits, '.', '_' and '-' only "
@@ -454,6 +495,38 @@ class Settings:
     @property
     def secrets_key_path(self) -> Path:
         return Path(self.secrets_key_file or self.home / "keys" / "secrets.key")
+
+    @property
+    def kafka_security_protocol(self) -> str:
+        """``plaintext``, ``sasl_plaintext`` or ``sasl_ssl``: OPLEDGER_KAFKA_SECURITY, else
+        SASL for the local broker (which asks for it) and plaintext for one named elsewhere."""
+        if self.kafka_security:
+            return self.kafka_security
+        return "plaintext" if self.kafka_bootstrap else "sasl_plaintext"
+
+    @property
+    def kafka_user(self) -> str:
+        """The principal this process's Kafka clients authenticate as (``sdk`` unless the
+        command or OPLEDGER_KAFKA_PRINCIPAL names another)."""
+        return self.kafka_principal or "sdk"
+
+    @property
+    def kafka_password_path(self) -> Path:
+        # The same place as ledger.kafka_access.password_file, which cannot be imported here.
+        return Path(
+            self.kafka_password_file or self.home / "keys" / f"kafka-{self.kafka_user}.password"
+        )
+
+    def as_kafka_role(self, role: str) -> Self:
+        """These settings for a process of ``role`` (``projector``, ``operator``, ...): its
+        Kafka principal, unless OPLEDGER_KAFKA_PRINCIPAL chose one for every process."""
+        return self if self.kafka_principal else replace(self, kafka_principal=role)
+
+    def readers_group(self, reader: str) -> str:
+        """The consumer group of a reader that never joins it nor commits (it only assigns, or
+        asks for watermarks): one shared prefix every Kafka role may use (``ledger.kafka_access``),
+        holding no offsets of anyone's."""
+        return f"{self.topic_prefix}-readers.{reader}"
 
     @property
     def bootstrap_servers(self) -> str:

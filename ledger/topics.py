@@ -23,6 +23,7 @@ from confluent_kafka.admin._config import ConfigResource
 from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
+from ledger.kafka_access import ensure_access
 from ledger.log.clients import new_admin
 from ledger.log.reads import ride_out
 from ledger.settings import Settings
@@ -140,12 +141,25 @@ def all_topic_specs(settings: Settings) -> list[TopicSpec]:
 
 
 def ensure_topics(settings: Settings, timeout: float = 30.0) -> list[TopicSpec]:
-    """Create the topics if missing and check existing ones; safe to call any number of times."""
+    """Create the topics if missing and check existing ones, with the ACLs each role needs on
+    them when the broker has an authorizer (:mod:`ledger.kafka_access`); safe to call any number
+    of times. A service's principal may neither create topics nor ACLs: it only checks."""
     specs = all_topic_specs(settings)
     admin = new_admin(settings, client_id="opledger-topics")
     _create(admin, specs, timeout)
-    _verify(admin, specs, timeout, settings.bootstrap_servers)
+    _verify(admin, specs, timeout, settings.bootstrap_servers, settings.kafka_user)
+    ensure_access(settings, timeout)
     return specs
+
+
+# Another process (a test, the projector) may have won the race; a service's principal may not
+# create topics at all, and the admin's `opledger stack up` did. Either way _verify checks that
+# what exists is what we would have created, and names what is missing.
+_NOT_OURS_TO_CREATE = (
+    KafkaError.TOPIC_ALREADY_EXISTS,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+)
 
 
 def _create(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
@@ -164,14 +178,18 @@ def _create(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> None:
             future.result()
         except KafkaException as exc:
             error = exc.args[0]
-            # Another process (a test, the projector) may have won the race: fine, _verify
-            # checks that what exists is what we would have created.
-            if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+            if isinstance(error, KafkaError) and error.code() in _NOT_OURS_TO_CREATE:
                 continue
             raise TopicError(f"could not create topic {name}: {error}") from exc
 
 
-def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstrap: str) -> None:
+def _verify(
+    admin: AdminClient,
+    specs: list[TopicSpec],
+    timeout: float,
+    bootstrap: str,
+    principal: str = "admin",
+) -> None:
     # Metadata of a just-created topic can lag the create response by a moment.
     deadline = time.monotonic() + timeout
     while True:
@@ -180,7 +198,11 @@ def _verify(admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstra
         if not missing:
             break
         if time.monotonic() > deadline:
-            raise TopicError(f"topics not visible after {timeout:.0f}s: {', '.join(missing)}")
+            raise TopicError(
+                f"topics not visible after {timeout:.0f}s: {', '.join(missing)} (missing, or "
+                f"not visible to Kafka principal {principal!r}: the admin creates them, "
+                "`opledger stack up` on the local stack)"
+            )
         time.sleep(0.2)
     for spec in specs:
         partitions = topics[spec.name].partitions

@@ -212,6 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env()
+        # The Kafka principal of the command's role (ledger.kafka_access), unless
+        # OPLEDGER_KAFKA_PRINCIPAL names one: a worker signs in as itself, `policy` as the
+        # operator, everything else as "sdk".
+        if role := getattr(args, "kafka_role", None):
+            settings = settings.as_kafka_role(role)
         return _resolve(args.handler)(args, settings)
     except (stack.StackError, SettingsError) as exc:
         print(f"opledger: {exc}", file=sys.stderr)

@@ -213,6 +213,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "consumer", help="the reference consumer: POST /events receiver and queue consumer"
     )
+    parser.set_defaults(kafka_role="consumer")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     run_parser = actions.add_parser(
         "run",

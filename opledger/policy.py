@@ -87,6 +87,8 @@ def register(commands: Any) -> None:
         "projection the workers evaluate.",
         epilog=_EXIT_CODES,
     )
+    # Only the operator's principal may write the policy topic (decision 029).
+    parser.set_defaults(kafka_role="operator")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     grant = actions.add_parser(

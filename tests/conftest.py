@@ -19,6 +19,7 @@ from hypothesis import settings as hypothesis_settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from ledger.kafka_access import drop_access
 from ledger.log.clients import new_admin
 from ledger.pg import open_pool
 from ledger.policy_store import PolicyStore
@@ -58,7 +59,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def stack_settings() -> Settings:
     """Settings of the running local stack, started if needed (idempotent, fast when up)."""
-    settings = Settings.from_env()
+    # The broker's admin (its SCRAM user): tests read every group and topic, create and drop
+    # their own; what the service principals may not do is tests/integration/test_kafka_access.
+    settings = Settings.from_env().as_kafka_role("admin")
     stack.up(settings, echo=lambda _line: None)
     # Test receivers listen on loopback, where webhooks may not go unless allowed (decision
     # 019): every test's settings, isolated or a private stack's, start from these.
@@ -93,6 +96,7 @@ def _drop(settings: Settings, tag: str, database: str, admin_dsn: str) -> None:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
         )
+    drop_access(settings, tag)  # the ACLs ensure_topics made for the prefix
     # Infinite retention would otherwise keep every test's records on disk forever.
     # The projector's faust worker adds its own internal topics under the same prefix.
     admin = new_admin(settings, client_id="tests-cleanup")

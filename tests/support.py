@@ -27,7 +27,7 @@ from ledger.domain.events import (
     Transition,
 )
 from ledger.domain.ids import ULID_PATTERN, event_id
-from ledger.kafka import partition_for
+from ledger.kafka import connection_config, partition_for
 from ledger.log import end_offsets
 from ledger.metrics import Metrics
 from ledger.settings import Settings
@@ -46,7 +46,7 @@ from tests.independent_fold import (
 def producer(settings: Settings) -> Producer:
     return Producer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,
@@ -159,7 +159,7 @@ def read_with_headers(
     ends = end_offsets(settings, [topic])
     consumer = Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "group.id": "verifier",
             "enable.auto.commit": False,
         }
@@ -294,6 +294,9 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
     env.update(
         OPLEDGER_HOME=str(settings.home),
         OPLEDGER_KAFKA_BOOTSTRAP=settings.bootstrap_servers,
+        # No principal: a child signs in as its command's role (ledger.kafka_access), as it
+        # would on the stack; the test process itself is the broker's admin.
+        OPLEDGER_KAFKA_SECURITY=settings.kafka_security_protocol,
         OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
         OPLEDGER_PARTITIONS=str(settings.partitions),
         OPLEDGER_REPLICATION_FACTOR=str(settings.replication_factor),

@@ -202,7 +202,9 @@ def end_offsets(
     # A throwaway consumer: watermark queries need one, and it never joins its group. It reads
     # read_committed as every worker does, so "the end" is the last stable offset they can reach.
     consumer = new_consumer(
-        settings, group_id="opledger-watermarks", client_id="opledger-watermarks"
+        settings,
+        group_id=settings.readers_group("watermarks"),
+        client_id="opledger-watermarks",
     )
     deadline = time.monotonic() + timeout_s
     bootstrap = settings.bootstrap_servers

@@ -60,9 +60,11 @@ def ensure_queue_topic(settings: Settings) -> str:
     from confluent_kafka.cimpl import NewTopic  # noqa: PLC0415
 
     from ledger.log import new_admin  # noqa: PLC0415
+    from opledger.stack import stack_admin  # noqa: PLC0415
 
     topic = queue_topic(settings.topic_prefix)
-    admin = new_admin(settings, client_id="opledger-demo")
+    # Topics are the broker admin's to create; the demo runs the local stack, so it may.
+    admin = new_admin(stack_admin(settings), client_id="opledger-demo")
     futures = admin.create_topics([NewTopic(topic, num_partitions=settings.partitions)])
     for future in futures.values():
         try:
@@ -182,7 +184,8 @@ def write_policy(settings: Settings, changes: Sequence[PolicyChanged]) -> float:
     # The local stack's operator key (its workers trust it): the demo is that stack's operator.
     key = ensure_local_keys(settings)
     changes = [key.sign(change) for change in changes]
-    writer = LogWriter.connect(settings, "demo")
+    # ... and writes as its principal, the only one the broker lets write the policy topic.
+    writer = LogWriter.connect(settings.as_kafka_role("operator"), "demo")
     try:
         writer.append(list(changes))
     except RecordError as exc:

@@ -32,6 +32,7 @@ from opledger.stack.kafka import (
     kafka_pid,
     kraft_properties,
     random_cluster_id,
+    stack_admin,
     write_properties,
 )
 from opledger.stack.postgres import (
@@ -92,6 +93,7 @@ __all__ = [
     "restart",
     "restart_worker",
     "sigterm_interrupts",
+    "stack_admin",
     "start_supervisor",
     "status",
     "stop_supervisor",

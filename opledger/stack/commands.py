@@ -20,9 +20,11 @@ from opledger.stack.home import (
     pg_data,
 )
 from opledger.stack.kafka import (
+    ensure_principals,
     kafka_healthy,
     kafka_pid,
     kill_kafka,
+    stack_admin,
     start_kafka,
     stop_kafka,
 )
@@ -60,8 +62,11 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
             start_postgres(settings, echo)
         if not kafka_ok:
             start_kafka(settings, echo)
+        # The broker denies whoever has no credential and no ACL: the users and the topics'
+        # ACLs exist before any worker signs in (decision 029).
+        ensure_principals(settings)
         try:
-            specs = ensure_topics(settings)
+            specs = ensure_topics(stack_admin(settings))
         except TopicError as exc:
             raise StackError(str(exc)) from None
         # Every component's tables, so the SDK and the workers find them (the SDK makes none).

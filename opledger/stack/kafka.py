@@ -16,9 +16,13 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ledger.kafka_access import ADMIN, PRINCIPALS, ensure_users, make_passwords, password_file
 from ledger.log import new_admin, new_producer
+from ledger.log.reads import ride_out
+from ledger.private_files import write_private
 from ledger.settings import Settings
 from ledger.topics import min_insync_replicas
 from opledger import supervisor
@@ -115,6 +119,42 @@ def ensure_kafka_jars(settings: Settings, echo: Echo = print) -> Path:
     return libs
 
 
+@dataclass(frozen=True, slots=True)
+class BrokerSecrets:
+    """The passwords a SASL broker's own configuration holds: the admin's (PLAIN on the client
+    listener, the one credential that exists before any SCRAM user does) and the controller's
+    (PLAIN on the controller listener, which no client uses)."""
+
+    admin_password: str = field(repr=False)
+    controller_password: str = field(repr=False)
+
+
+_PLAIN = "org.apache.kafka.common.security.plain.PlainLoginModule required"
+_SCRAM = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+
+
+def _sasl_properties(secrets: BrokerSecrets) -> dict[str, str]:
+    admin, controller = secrets.admin_password, secrets.controller_password
+    return {
+        "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+        "sasl.mechanism.inter.broker.protocol": "PLAIN",
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+            f'{_PLAIN} username="{ADMIN}" password="{admin}" user_{ADMIN}="{admin}";'
+        ),
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": _SCRAM,
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config": (
+            f'{_PLAIN} username="controller" password="{controller}" '
+            f'user_controller="{controller}";'
+        ),
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "super.users": f"User:{ADMIN};User:controller",
+        # Deny what no ACL allows: a principal (or a user created later) starts with nothing.
+        "allow.everyone.if.no.acl.found": "false",
+    }
+
+
 def kraft_properties(
     *,
     node_id: int,
@@ -123,20 +163,26 @@ def kraft_properties(
     voters: str,
     log_dir: Path,
     replication: int = 1,
+    secrets: BrokerSecrets | None = None,
 ) -> dict[str, str]:
     """``server.properties`` of one combined broker and controller on 127.0.0.1: the local
     stack's single node, or one of the nodes of ``tests/cluster_support.py``'s cluster.
     ``voters`` is ``controller.quorum.voters`` (``id@host:port,...``); ``replication`` the
-    replicas of the broker's internal topics (consumer offsets, transaction state)."""
+    replicas of the broker's internal topics (consumer offsets, transaction state). With
+    ``secrets``, every listener asks for SASL and ACLs decide (decision 029); without, it is
+    plaintext and open (the test cluster's nodes)."""
+    listener = "SASL_PLAINTEXT" if secrets else "PLAINTEXT"
+    protocol = "SASL_PLAINTEXT" if secrets else "PLAINTEXT"
     return {
         "process.roles": "broker,controller",
         "node.id": str(node_id),
         "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "listeners": f"{listener}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"{listener}://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": f"{listener}:{protocol},CONTROLLER:{protocol}",
+        "inter.broker.listener.name": listener,
+        **(_sasl_properties(secrets) if secrets else {}),
         "log.dirs": str(log_dir),
         "num.partitions": "1",
         "offsets.topic.replication.factor": str(replication),
@@ -149,9 +195,30 @@ def kraft_properties(
 
 
 def write_properties(path: Path, properties: Mapping[str, str]) -> Path:
-    """``properties`` as a Java properties file at ``path``."""
-    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    """``properties`` as a Java properties file at ``path`` (0600: it may hold passwords)."""
+    write_private(path, "".join(f"{key}={value}\n" for key, value in properties.items()))
     return path
+
+
+def stack_admin(settings: Settings) -> Settings:
+    """``settings`` as the local broker's super user signs in: PLAIN, with the password its
+    own configuration holds, which works before any SCRAM user exists (a new cluster, or one
+    an older opledger made without SASL). A broker named by OPLEDGER_KAFKA_BOOTSTRAP is
+    someone else's: its admin is whatever OPLEDGER_KAFKA_PRINCIPAL says."""
+    if settings.kafka_bootstrap:
+        return settings.as_kafka_role(ADMIN)
+    return settings.with_(
+        kafka_principal=ADMIN, kafka_password_file="", kafka_sasl_mechanism="PLAIN"
+    )
+
+
+def _broker_secrets(settings: Settings) -> BrokerSecrets:
+    make_passwords(settings, (*PRINCIPALS, "controller"))
+
+    def read(principal: str) -> str:
+        return password_file(settings, principal).read_text().splitlines()[0].strip()
+
+    return BrokerSecrets(admin_password=read(ADMIN), controller_password=read("controller"))
 
 
 def _write_kafka_config(settings: Settings) -> Path:
@@ -164,8 +231,22 @@ def _write_kafka_config(settings: Settings) -> Path:
         controller_port=c,
         voters=f"1@127.0.0.1:{c}",
         log_dir=kafka_data(settings),
+        secrets=_broker_secrets(settings),
     )
     return write_properties(conf / "server.properties", properties)
+
+
+def ensure_principals(settings: Settings) -> None:
+    """Every principal's SCRAM credential on the local broker, from its password file."""
+    if settings.kafka_bootstrap:
+        return  # someone else's cluster: its users are theirs to make
+    make_passwords(settings)
+    ride_out(
+        lambda: ensure_users(stack_admin(settings)),
+        deadline=time.monotonic() + 60,
+        what="the SCRAM users",
+        bootstrap=settings.bootstrap_servers,
+    )
 
 
 def random_cluster_id() -> str:
@@ -235,7 +316,7 @@ def kafka_healthy(settings: Settings, timeout: float = 5.0) -> bool:
     if not settings.kafka_bootstrap and not port_open(settings.kafka_port):
         return False
     # log_level 0: librdkafka would otherwise print connection errors while we poll.
-    admin = new_admin(settings, client_id="opledger-stack", overrides={"log_level": 0})
+    admin = new_admin(stack_admin(settings), client_id="opledger-stack", overrides={"log_level": 0})
     try:
         admin.list_topics(timeout=timeout)
     except Exception:  # any failure here just means "not healthy yet"
@@ -318,7 +399,7 @@ def _wait_producer_ids(settings: Settings, timeout: float = 60.0) -> None:
             assigned.set()
 
     probe = new_producer(
-        settings,
+        stack_admin(settings),
         client_id="opledger-stack-probe",
         overrides={
             "statistics.interval.ms": 100,

@@ -26,6 +26,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from consumers.keystore import decode_entry
+from ledger.kafka import connection_config
 from ledger.log import end_offsets
 from ledger.settings import Settings
 from tests.consumer_support import DESTINATION, SECRET, event_body, new_op_id, signed_headers
@@ -257,11 +258,11 @@ def test_a_queue_consumer_killed_before_its_offset_commit_applies_once(
     consumer_settings: Settings, tmp_path: Path
 ) -> None:
     topic = f"{consumer_settings.topic_prefix}.queue.crm"
-    admin = AdminClient({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(consumer_settings)})
     for future in admin.create_topics([NewTopic(topic, num_partitions=3)]).values():
         future.result(30)
     ops = [new_op_id() for _ in range(60)]
-    producer = Producer({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    producer = Producer({**connection_config(consumer_settings)})
     for op in ops:
         headers: list[tuple[str, str | bytes | None]] = [
             ("Idempotency-Key", op.encode()),
@@ -272,9 +273,7 @@ def test_a_queue_consumer_killed_before_its_offset_commit_applies_once(
     group = f"{consumer_settings.topic_prefix}-consumer-reference"
 
     def committed() -> dict[tuple[str, int], int]:
-        reader = Consumer(
-            {"bootstrap.servers": consumer_settings.bootstrap_servers, "group.id": group}
-        )
+        reader = Consumer({**connection_config(consumer_settings), "group.id": group})
         try:
             ends = end_offsets(consumer_settings, [topic])
             tps = reader.committed([TopicPartition(topic, p) for (_, p) in ends], timeout=10)

@@ -43,6 +43,7 @@ from consumers.runtime import ConsumerRuntime, migrate_database
 from consumers.signatures import SignatureVerifier
 from ledger.dead_letters import DLQ_INLINE_LIMIT, by_reference, dead_letter_headers
 from ledger.domain.ids import canonical_json, content_ref
+from ledger.kafka import connection_config
 from ledger.log import end_offsets
 from ledger.records import Coordinates, DeadLetter
 from ledger.result_fetch import result_url
@@ -834,7 +835,7 @@ def test_a_tombstone_on_the_key_store_takes_the_key_out_of_the_view(
         wait_published(consumer_settings, 2)
     finally:
         first.stop()
-    producer = Producer({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    producer = Producer({**connection_config(consumer_settings)})
     producer.produce(
         consumer_settings.consumer_keys_topic,
         None,
@@ -939,7 +940,7 @@ def test_a_locked_inbox_is_503_for_its_sender_not_a_request_held_for_ever(
 
 def _queue_topic(settings: Settings) -> str:
     topic = f"{settings.topic_prefix}.queue.crm"
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(settings)})
     for future in admin.create_topics([NewTopic(topic, num_partitions=3)]).values():
         future.result(30)
     deadline = time.monotonic() + 30
@@ -960,9 +961,7 @@ def _queue_record(op: str, body: bytes, **overrides: Any) -> dict[str, Any]:
 
 
 def _produce(settings: Settings, topic: str, records: list[dict[str, Any]]) -> None:
-    producer = Producer(
-        {"bootstrap.servers": settings.bootstrap_servers, "enable.idempotence": True}
-    )
+    producer = Producer({**connection_config(settings), "enable.idempotence": True})
     for record in records:
         producer.produce(topic, **record)
     assert producer.flush(30) == 0
@@ -1013,7 +1012,7 @@ def test_the_queue_consumer_applies_each_key_once(consumer_settings: Settings) -
 
     # Offsets were committed after the inbox: the group has nothing left to read.
     group = f"{consumer_settings.topic_prefix}-consumer-queue-crm"
-    reader = Consumer({"bootstrap.servers": consumer_settings.bootstrap_servers, "group.id": group})
+    reader = Consumer({**connection_config(consumer_settings), "group.id": group})
     try:
         ends = end_offsets(consumer_settings, [topic])
         committed = reader.committed([TopicPartition(topic, p) for (_, p) in ends], timeout=10)
@@ -1079,9 +1078,7 @@ def test_the_queue_consumer_waits_out_a_database_outage_longer_than_its_poll_int
         proxy.restore()
         group = f"{consumer_settings.topic_prefix}-consumer-queue-outage"
         ends = end_offsets(consumer_settings, [topic])
-        reader = Consumer(
-            {"bootstrap.servers": consumer_settings.bootstrap_servers, "group.id": group}
-        )
+        reader = Consumer({**connection_config(consumer_settings), "group.id": group})
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -1220,7 +1217,7 @@ def _fetching_consumer(
 
 
 def _committed(settings: Settings, group: str, topic: str) -> dict[int, int]:
-    reader = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": group})
+    reader = Consumer({**connection_config(settings), "group.id": group})
     try:
         committed = reader.committed([TopicPartition(topic, p) for p in range(3)], timeout=10)
     finally:
@@ -1425,7 +1422,7 @@ def _dead_letters_of(settings: Settings, topic: str) -> list[dict[str, Any]]:
     ends = end_offsets(settings, [dlq])
     reader = Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "group.id": "verifier",
             "enable.auto.commit": False,
         }
@@ -1611,7 +1608,7 @@ def test_a_dead_letter_holding_a_reference_is_read_back_checked_and_redriven_onc
         assert reference["by_reference"] is True
         assert reference["sha256"] == hashlib.sha256(source["value"]).hexdigest()
 
-    admin = AdminClient({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(consumer_settings)})
     for future in admin.delete_records([TopicPartition(topic, 1, 1)]).values():
         future.result(30)
 
@@ -1665,7 +1662,7 @@ def test_a_reference_whose_digest_is_not_the_records_is_not_redriven(
         )
     )
     headers = dead_letter_headers(letter, [("opledger-dlq-kind", b"invalid")])
-    producer = Producer({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    producer = Producer({**connection_config(consumer_settings)})
     producer.produce(
         consumer_settings.consumer_dead_letter_topic,
         key=letter.key,
@@ -1761,7 +1758,7 @@ def test_a_dead_letter_topic_that_does_not_answer_holds_the_batch_and_loses_noth
     marker, never reaches the log; its coordinates do."""
     topic = _queue_topic(consumer_settings)
     dlq = consumer_settings.consumer_dead_letter_topic
-    admin = AdminClient({"bootstrap.servers": consumer_settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(consumer_settings)})
     for future in admin.delete_topics([dlq]).values():
         future.result(30)
     deadline = time.monotonic() + 30

@@ -29,6 +29,7 @@ from ledger.domain.ids import content_ref
 from ledger.domain.schedule import RetryPolicy
 from ledger.domain.states import DeliveryState
 from ledger.history import HistoryReader
+from ledger.kafka import connection_config
 from ledger.log import KafkaTransport, OutgoingRecord
 from ledger.metrics import Metrics
 from ledger.pg import open_pool
@@ -129,7 +130,7 @@ class Rig:
             tools=[TOOL],
             changed_by="test",
         )
-        admin = AdminClient({"bootstrap.servers": self.settings.bootstrap_servers})
+        admin = AdminClient({**connection_config(self.settings)})
         for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
             future.result(timeout=30)
         return topic

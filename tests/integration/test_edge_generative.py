@@ -83,6 +83,7 @@ from ledger.domain.events import (
 from ledger.domain.ids import OPERATION_ID_RE, content_ref
 from ledger.domain.reconcile import Decision, LookupStatus
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.kafka import connection_config
 from ledger.metrics import Metrics
 from ledger.settings import Settings
 from opledger.workload import Workload
@@ -892,7 +893,7 @@ class Harness:
         }
         self.producer = Producer(
             {
-                "bootstrap.servers": self.settings.bootstrap_servers,
+                **connection_config(self.settings),
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 5,

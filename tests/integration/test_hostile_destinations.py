@@ -23,6 +23,7 @@ from consumers.queue import QueueConsumer, drain
 from consumers.runtime import ConsumerRuntime
 from ledger.destinations import DestinationError, DestinationStore, Kind
 from ledger.domain.states import DeliveryState
+from ledger.kafka import connection_config
 from ledger.pg import open_pool
 from ledger.settings import Settings
 from producers import TransitionRecorder
@@ -134,7 +135,7 @@ def test_a_queue_consumer_refuses_another_tenants_records_on_its_topic(
     billing queue does), so acme's consumer is the boundary: run with ``--tenant acme`` it
     dead-letters globex's record unapplied and applies acme's."""
     topic = f"{isolated.topic_prefix}.acme-billing"
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    admin = AdminClient({**connection_config(isolated)})
     for future in admin.create_topics([NewTopic(topic, 3, 1)]).values():
         future.result(timeout=30)
     for tenant in (VICTIM, ATTACKER):

@@ -29,6 +29,7 @@ from confluent_kafka.admin import (
 from ledger.codec import default_codec
 from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import PolicyChange, PolicyRequest, Purpose, grant_key
+from ledger.kafka import connection_config
 from ledger.log import end_offsets
 from ledger.pg import open_pool
 from ledger.policy_store import NO_PROJECTION, PolicyStore, read_matching
@@ -54,7 +55,7 @@ TOOL = "send_email"
 
 def _write(settings: Settings, *changes: PolicyChanged, key: bytes | None = None) -> None:
     """``changes`` signed by the stack's operator key, as `opledger policy` writes them."""
-    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "acks": "all"})
+    producer = Producer({**connection_config(settings), "acks": "all"})
     for unsigned in changes:
         change = signed(settings, unsigned)
         producer.produce(
@@ -66,7 +67,7 @@ def _write(settings: Settings, *changes: PolicyChanged, key: bytes | None = None
 
 
 def _write_raw(settings: Settings, topic: str, key: bytes | None, value: bytes | None) -> None:
-    producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
+    producer = Producer({**connection_config(settings)})
     producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
 
@@ -246,7 +247,7 @@ def test_undecodable_policy_records_are_dead_lettered_and_the_projector_goes_on(
     assert_projection_matches(isolated, expected)
     # Each dead letter went to the dead-letter topic with its source coordinates.
     sources = set()
-    consumer = Consumer({"bootstrap.servers": isolated.bootstrap_servers, "group.id": "dlq"})
+    consumer = Consumer({**connection_config(isolated), "group.id": "dlq"})
     ends = end_offsets(isolated, [isolated.dead_letter_topic])
     consumer.assign([TopicPartition(t, p, 0) for (t, p) in ends])
     deadline = time.monotonic() + 30
@@ -261,7 +262,7 @@ def test_undecodable_policy_records_are_dead_lettered_and_the_projector_goes_on(
 
 
 def test_the_policy_topic_is_compacted_with_one_partition(isolated: Settings) -> None:
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    admin = AdminClient({**connection_config(isolated)})
     metadata = admin.list_topics(timeout=10)
     assert len(metadata.topics[isolated.policy_topic].partitions) == 1
     resource = ConfigResource(ResourceType.TOPIC, isolated.policy_topic)
@@ -277,7 +278,7 @@ def test_the_policy_topic_is_compacted_with_one_partition(isolated: Settings) ->
 def _read_compacted(settings: Settings) -> list[tuple[int, bytes | None]]:
     """(offset, key) of every record left on the policy topic (offsets have gaps there)."""
     ((_, end),) = end_offsets(settings, [settings.policy_topic]).items()
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "reader"})
+    consumer = Consumer({**connection_config(settings), "group.id": "reader"})
     consumer.assign([TopicPartition(settings.policy_topic, 0, 0)])
     records: list[tuple[int, bytes | None]] = []
     deadline = time.monotonic() + 30
@@ -297,7 +298,7 @@ def test_a_replay_of_the_compacted_topic_rebuilds_the_same_policy(isolated: Sett
     """Kafka really compacts the topic (segments rolled fast for the test); the projection
     rebuilt from what is left equals the one folded from every record, and policy_history
     still holds every change."""
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    admin = AdminClient({**connection_config(isolated)})
     fast = {"segment.ms": "100", "min.cleanable.dirty.ratio": "0.01", "min.compaction.lag.ms": "0"}
     resource = ConfigResource(
         ResourceType.TOPIC,

@@ -31,6 +31,7 @@ from ledger.domain.policy import (
     grant_key,
 )
 from ledger.domain.states import DeliveryState, ExecutionState
+from ledger.kafka import connection_config
 from ledger.metrics import Metrics
 from ledger.policy_store import PolicyFreshness, PolicyStore, read_current
 from ledger.settings import Settings
@@ -59,7 +60,7 @@ def _change(change: PolicyChange = PolicyChange.GRANT, **fields: Any) -> PolicyC
 
 
 def _raw(settings: Settings, *records: tuple[bytes | None, bytes | None]) -> None:
-    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "acks": "all"})
+    producer = Producer({**connection_config(settings), "acks": "all"})
     for key, value in records:
         producer.produce(settings.policy_topic, key=key, value=value)
     assert producer.flush(30) == 0
@@ -183,7 +184,7 @@ def test_revocation_to_enforcement_latency_with_the_projector_running(
 
     runner = threading.Thread(target=loop, daemon=True)
     runner.start()
-    producer = Producer({"bootstrap.servers": isolated.bootstrap_servers, "acks": "all"})
+    producer = Producer({**connection_config(isolated), "acks": "all"})
     latencies = []
     try:
         for n in range(20):

@@ -19,6 +19,7 @@ from ledger.dead_letters import REASON_HEADER, SOURCE_OFFSET_HEADER, SOURCE_TOPI
 from ledger.domain.events import PolicyChanged
 from ledger.domain.policy import PolicyChange, Purpose
 from ledger.domain.states import ExecutionState
+from ledger.kafka import connection_config
 from ledger.log import end_offsets
 from ledger.pg import open_pool
 from ledger.policy_keys import OperatorKey, ensure_local_keys
@@ -41,7 +42,7 @@ TERMS = ProviderTerms(
 
 def _write_as_anyone(settings: Settings, *changes: PolicyChanged) -> None:
     """What the probe did: a plain producer, no credentials, the project's own codec."""
-    producer = Producer({"bootstrap.servers": settings.bootstrap_servers, "acks": "all"})
+    producer = Producer({**connection_config(settings), "acks": "all"})
     for change in changes:
         producer.produce(
             settings.policy_topic, key=change.subject_key(), value=default_codec().encode(change)
@@ -59,7 +60,7 @@ def _dead_letter_reasons(settings: Settings) -> dict[int, str]:
 
 def _dead_letter_topic_sources(settings: Settings) -> dict[int, str]:
     """Policy offsets the dead-letter topic names, with the reason header it carries."""
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "forgery"})
+    consumer = Consumer({**connection_config(settings), "group.id": "forgery"})
     ends = end_offsets(settings, [settings.dead_letter_topic])
     consumer.assign([TopicPartition(t, p, 0) for (t, p) in ends])
     found: dict[int, str] = {}

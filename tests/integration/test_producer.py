@@ -23,7 +23,7 @@ from ledger.domain.events import ExecutionTransitioned, Transition
 from ledger.domain.ids import content_ref, event_id, request_hash
 from ledger.domain.states import DeliveryState, ExecutionState
 from ledger.errors import RecordTooLargeError
-from ledger.kafka import MESSAGE_MAX_BYTES, partition_for
+from ledger.kafka import MESSAGE_MAX_BYTES, connection_config, partition_for
 from ledger.log import KafkaTransport, OutgoingRecord, fits, record_size
 from ledger.settings import Settings
 from producers import (
@@ -57,7 +57,7 @@ class Read:
 def _consumer(settings: Settings) -> Consumer:
     return Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "group.id": f"test-{uuid4().hex}",
             "enable.auto.commit": False,
             "enable.partition.eof": False,

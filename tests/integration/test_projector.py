@@ -14,6 +14,7 @@ from ledger.codec import default_codec
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned
 from ledger.domain.ids import event_id, operation_id
 from ledger.domain.states import ExecutionState
+from ledger.kafka import connection_config
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
@@ -119,7 +120,7 @@ def test_poison_and_illegal_records_do_not_stop_the_projector(isolated: Settings
         reasons = [r[0] for r in conn.execute("SELECT reason FROM anomalies").fetchall()]
     assert reasons == ["illegal execution transition INTENT_RECORDED -> SUCCEEDED"]
     # The dead letters are on the dead-letter topic with the reason and source coordinates.
-    consumer = Consumer({"bootstrap.servers": isolated.bootstrap_servers, "group.id": "dlq-check"})
+    consumer = Consumer({**connection_config(isolated), "group.id": "dlq-check"})
     consumer.assign(
         [TopicPartition(isolated.dead_letter_topic, p, 0) for p in range(isolated.partitions)]
     )

@@ -17,7 +17,7 @@ from ledger.codec import default_codec
 from ledger.dead_letters import DLQ_INLINE_LIMIT
 from ledger.domain.events import DeliveryTransitioned, ExecutionTransitioned, Transition
 from ledger.domain.states import DeliveryState, ExecutionState
-from ledger.kafka import partition_for
+from ledger.kafka import connection_config, partition_for
 from ledger.metrics import Metrics
 from ledger.records import Coordinates, ProjectionBatch, SourcedEvent
 from ledger.settings import Settings
@@ -36,7 +36,7 @@ from tests.support import (
 
 
 def _dead_letter_records(settings: Settings) -> list[tuple[dict[str, bytes], bytes | None]]:
-    consumer = Consumer({"bootstrap.servers": settings.bootstrap_servers, "group.id": "dlq-check"})
+    consumer = Consumer({**connection_config(settings), "group.id": "dlq-check"})
     ends = {}
     meta = consumer.list_topics(settings.dead_letter_topic, timeout=10)
     for p in meta.topics[settings.dead_letter_topic].partitions:
@@ -107,7 +107,7 @@ def test_nul_written_by_a_raw_producer_is_dead_lettered_not_fatal(isolated: Sett
     nul = ExecutionTransitioned.model_construct(
         **{**first.model_dump(), "state": ExecutionState.FAILED, "attempt": 0, "error": "boom\x00"}
     )
-    producer = Producer({"bootstrap.servers": isolated.bootstrap_servers})
+    producer = Producer({**connection_config(isolated)})
     producer.produce(
         isolated.execution_topic, key=first.operation_id.encode(), value=codec.encode(nul)
     )
@@ -128,7 +128,7 @@ def test_a_record_too_large_to_republish_is_dead_lettered_by_reference(
     assert len(huge) > DLQ_INLINE_LIMIT
     producer = Producer(
         {
-            "bootstrap.servers": isolated.bootstrap_servers,
+            **connection_config(isolated),
             "message.max.bytes": 1_048_576,
             "compression.type": "none",
         }
@@ -251,7 +251,7 @@ def test_a_record_on_the_wrong_partition_is_dead_lettered(isolated: Settings) ->
     key = intent.operation_id.encode()
     home = partition_for(key, isolated.partitions)
     stray = (home + 1) % isolated.partitions
-    producer = Producer({"bootstrap.servers": isolated.bootstrap_servers})
+    producer = Producer({**connection_config(isolated)})
     codec = default_codec()
     producer.produce(isolated.execution_topic, key=key, value=codec.encode(intent), partition=home)
     producer.produce(

@@ -30,6 +30,7 @@ from consumers.queue import EVERY_TENANT, QueueConsumer, drain
 from consumers.runtime import ConsumerRuntime
 from ledger.destinations import DestinationStore, Kind
 from ledger.domain.ids import canonical_json
+from ledger.kafka import connection_config
 from ledger.pg import open_pool
 from ledger.result_fetch import result_url, sign_fetch
 from ledger.settings import Settings
@@ -279,7 +280,7 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
     of it, instead of skipping what it could not fetch."""
     settings, ports = processes.settings, processes.ports
     topic = f"{settings.topic_prefix}.results-queue"
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(settings)})
     for future in admin.create_topics([NewTopic(topic, 2, 1)]).values():
         future.result(timeout=30)
     grant(settings, TENANT, actor=ACTOR, tool="export_csv", destinations=("results-queue",))
@@ -342,9 +343,7 @@ def test_a_queue_with_a_fetch_secret_gets_large_results_by_reference(
         assert not runner.is_alive()
         assert _fetches(wrong, "fetched") == 0
         assert applied("queue-wrong") == ({ops["small"]: len(small)} if apart else {})
-        reader = Consumer(
-            {"bootstrap.servers": settings.bootstrap_servers, "group.id": f"{group}-wrong"}
-        )
+        reader = Consumer({**connection_config(settings), "group.id": f"{group}-wrong"})
         try:
             committed = reader.committed([TopicPartition(topic, p) for p in (0, 1)], timeout=10)
         finally:
@@ -420,7 +419,7 @@ def _partitions_of(settings: Settings, topic: str) -> dict[str, int]:
     """Operation id -> the partition of its record on ``topic``."""
     reader = Consumer(
         {
-            "bootstrap.servers": settings.bootstrap_servers,
+            **connection_config(settings),
             "group.id": "unused",
             "fetch.max.bytes": 8 << 20,
         }

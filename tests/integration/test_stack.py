@@ -17,6 +17,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, re-
     ResourceType,
 )
 
+from ledger.kafka import connection_config
 from ledger.settings import Settings
 from ledger.topics import all_topic_specs, topic_specs
 from opledger import cli, stack, supervisor
@@ -88,7 +89,7 @@ def test_cli_up_accepts_no_workers() -> None:
 
 
 def test_topics_have_configured_partitions_and_retention(stack_settings: Settings) -> None:
-    admin = AdminClient({"bootstrap.servers": stack_settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(stack_settings)})
     metadata = admin.list_topics(timeout=10)
     specs = topic_specs(stack_settings)
     resources = [ConfigResource(ResourceType.TOPIC, spec.name) for spec in specs]
@@ -105,7 +106,7 @@ def test_every_topic_on_the_broker_is_one_of_ours_as_specified(stack_settings: S
     """Each topic of the stack's prefix is one ``ledger/topics.py`` specifies, with its
     partitions and every config it names (the compacted key store and policy topic, the kept
     dead letters): the workers' host joins no group and declares no topic of its own."""
-    admin = AdminClient({"bootstrap.servers": stack_settings.bootstrap_servers})
+    admin = AdminClient({**connection_config(stack_settings)})
     specs = {spec.name: spec for spec in all_topic_specs(stack_settings)}
     prefix = stack_settings.topic_prefix
     ours = {
@@ -133,7 +134,7 @@ def test_every_topic_on_the_broker_is_one_of_ours_as_specified(stack_settings: S
 
 
 def test_isolated_settings_get_their_own_topics_and_database(isolated: Settings) -> None:
-    admin = AdminClient({"bootstrap.servers": isolated.bootstrap_servers})
+    admin = AdminClient({**connection_config(isolated)})
     topics = admin.list_topics(timeout=10).topics
     assert all(spec.name in topics for spec in topic_specs(isolated))
     with psycopg.connect(isolated.dsn) as conn:

@@ -32,7 +32,7 @@ from ledger.settings import Settings
 from opledger.fakes.memory import MemoryProvider
 from producers import AsyncTransitionRecorder, TransitionRecorder
 
-SETTINGS = Settings(home=Path("/nonexistent"))
+SETTINGS = Settings(home=Path("/nonexistent"), kafka_security="plaintext")
 TOOL = "send_email"
 X = ExecutionState
 Log = list[str]

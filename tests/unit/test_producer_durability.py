@@ -12,7 +12,9 @@ from ledger.kafka import consumer_config, producer_config
 from ledger.log import KafkaTransport
 from ledger.settings import Settings
 
-SETTINGS = Settings.from_env({"OPLEDGER_HOME": "/srv/opledger"})
+SETTINGS = Settings.from_env(
+    {"OPLEDGER_HOME": "/srv/opledger", "OPLEDGER_KAFKA_SECURITY": "plaintext"}
+)
 
 
 def _durable(config: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from ledger.log import RawRecord, RawWriter
 from ledger.records import Coordinates, DeadLetter
 from ledger.settings import Settings
 
-SETTINGS = Settings(home=Path("/nonexistent"))
+SETTINGS = Settings(home=Path("/nonexistent"), kafka_security="plaintext")
 
 
 class _Message:

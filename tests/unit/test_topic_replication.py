@@ -14,7 +14,7 @@ from ledger.log.reads import LogUnavailableError
 from ledger.settings import Settings
 from ledger.topics import TopicError, _verify, all_topic_specs, min_insync_replicas
 
-HOME = {"OPLEDGER_HOME": "/srv/opledger"}
+HOME = {"OPLEDGER_HOME": "/srv/opledger", "OPLEDGER_KAFKA_SECURITY": "plaintext"}
 
 
 @pytest.mark.parametrize(("replicas", "majority"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])

@@ -60,7 +60,10 @@ class StandInProducer:
 @pytest.fixture
 def transport() -> Any:
     StandInProducer.made.clear()
-    t = KafkaTransport(Settings(home=Path("/nonexistent")), producer_factory=StandInProducer)
+    t = KafkaTransport(
+        Settings(home=Path("/nonexistent"), kafka_security="plaintext"),
+        producer_factory=StandInProducer,
+    )
     yield t
     t.close()
 
