@@ -69,14 +69,17 @@ _GROUP_USE = (AclOperation.READ, AclOperation.DESCRIBE)
 
 
 def role_groups(settings: Settings, role: str) -> tuple[str, ...]:
-    """The consumer-group prefixes ``role`` may join (besides the shared readers' one)."""
+    """The consumer-group prefixes ``role`` may join (besides the shared readers' one): its
+    configured group, and ``<prefix>-<role>`` (where workers on a topic prefix of their own,
+    a test's or a tenant's deployment, put theirs)."""
     prefix = settings.topic_prefix
-    return {
+    configured = {
         "projector": (settings.projector_group,),
         "recovery": (settings.recovery_group,),
         "delivery": (settings.delivery_group,),
-        "consumer": (f"{prefix}-consumer", f"{prefix}-keystore"),
+        "consumer": (f"{prefix}-keystore",),
     }.get(role, ())
+    return tuple(dict.fromkeys((*configured, f"{prefix}-{role}")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,7 +102,14 @@ def test_each_worker_joins_only_its_own_groups() -> None:
         if rule.resource == "GROUP":
             groups.setdefault(rule.principal, set()).add(rule.name)
     shared = settings.readers_group("")
-    assert groups["projector"] == {settings.projector_group, shared}
-    assert groups["recovery"] == {settings.recovery_group, shared}
-    assert groups["delivery"] == {settings.delivery_group, shared}
-    assert groups["sdk"] == {shared}
+    assert groups["projector"] == {settings.projector_group, "p-projector", shared}
+    assert groups["recovery"] == {settings.recovery_group, "p-recovery", shared}
+    assert groups["delivery"] == {settings.delivery_group, "p-delivery", shared}
+    assert groups["consumer"] == {"p-consumer", "p-keystore", shared}
+    assert groups["sdk"] == {"p-sdk", shared}
+    # No role's prefixes cover another's group.
+    for role, mine in groups.items():
+        for other, theirs in groups.items():
+            if other != role:
+                owned = theirs - {shared}
+                assert not {g for g in owned if any(g.startswith(m) for m in mine)}, (role, other)
