@@ -29,7 +29,12 @@ use, by ``dbos_calls.py``.
 
     .venv/bin/python bench/bench_sdk_calls.py [--sequential 300] [--concurrent 3000]
         [--callers 16] [--warmup 100] [--timeout 120] [--rounds 3]
-        [--paths recorder,lease,execute] [--skip-dbos] [--skip-linger] [--profile]
+        [--paths recorder,lease,execute] [--skip-dbos] [--skip-linger] [--profile] [--auth]
+
+``--auth`` measures instead what authentication and ACLs cost (``authcost.py``): the recorder
+and lease paths on a private plaintext broker without an authorizer, on the stack's SASL/SCRAM
+broker as its super user, and as the ``sdk`` principal whose ACLs the broker evaluates, in the
+same run, taking turns; ratios against the plaintext broker.
 """
 
 from __future__ import annotations
@@ -697,6 +702,51 @@ def print_report(
         print(f"recorder sequential by producer linger.ms (SDK default {default:g}): {figures}")
 
 
+def _auth_path(path: str, settings: Settings) -> tuple[Any, Call]:
+    return threaded_path(path, settings, AUTH_NUMBERS)
+
+
+AUTH_NUMBERS = itertools.count()
+
+
+def print_auth_report(results: dict[tuple[str, str], dict[str, list[Summary]]]) -> None:
+    """One row per (path, access): each mode's median round, with its ratio against the
+    plaintext broker's."""
+    print()
+    print(
+        f"{'path, access':<44} | {'seq p50 ms':>10} {'p99 ms':>8} | {'threads calls/s':>15}"
+        f" | {'p50 / plain':>11} {'calls/s / plain':>15}"
+    )
+    print("-" * 115)
+    paths = sorted({path for _access, path in results}, key=list(PATHS).index)
+    for path in paths:
+        rows = {access: runs for (access, p), runs in results.items() if p == path}
+        plain_seq, plain_thr = (combined(r) for r in rows["plaintext, no authorizer"].values())
+        for access, runs in rows.items():
+            seq, thr = (combined(r) for r in runs.values())
+            p50_ratio = (
+                f"{seq.p50_ms / plain_seq.p50_ms:.2f}x" if seq.p50_ms and plain_seq.p50_ms else "-"
+            )
+            cps_ratio = (
+                f"{thr.calls_per_s / plain_thr.calls_per_s:.2f}x"
+                if thr.calls_per_s and plain_thr.calls_per_s
+                else "-"
+            )
+            print(
+                f"{PATHS[path] + ', ' + access:<44} | {_ms(seq.p50_ms):>10} {_ms(seq.p99_ms):>8}"
+                f" | {thr.calls_per_s or 0:>15,.0f} | {p50_ratio:>11} {cps_ratio:>15}"
+            )
+            for summary in (seq, thr):
+                if summary.failures:
+                    print(
+                        f"  {summary.mode}: {summary.failures} failed; first: {summary.first_error}"
+                    )
+    print(
+        "(each figure: the median of the rounds' p50 and p99, calls/s over the rounds' summed "
+        "time; ratios < 1 for p50 and > 1 for calls/s are faster than plaintext)"
+    )
+
+
 def _paths(raw: str) -> list[str]:
     chosen = [p.strip() for p in raw.split(",") if p.strip()]
     unknown = [p for p in chosen if p not in PATHS]
@@ -724,9 +774,21 @@ def main() -> None:
         "--profile", action="store_true", help="then each path's sequential mode under cProfile"
     )
     parser.add_argument("--dbos-python", help="a Python with dbos installed (default: own venv)")
+    parser.add_argument(
+        "--auth", action="store_true", help="what SASL/SCRAM and ACLs cost (authcost.py)"
+    )
     args = parser.parse_args()
 
     base = Settings.from_env()
+    if args.auth:
+        import authcost  # noqa: PLC0415
+
+        with isolated(base, "auth") as env:
+            results = authcost.measure(
+                env.settings, args, _auth_path, lambda recorder: recorder.close()
+            )
+        print_auth_report(results)
+        return
     with isolated(base, "calls") as env:
         print(
             f"topics {env.settings.topic_prefix}.*  calls: {args.sequential} sequential, "

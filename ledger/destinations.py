@@ -549,6 +549,14 @@ class DestinationStore:
         box = self._box()
 
         def work(conn: psycopg.Connection[Any]) -> Rekeyed:
+            # One transaction, as promised: pooled connections autocommit, so without it the
+            # row locks ended with the SELECT (a secret rotated meanwhile was overwritten by
+            # the old one resealed) and a secret that does not open left the rows before it
+            # resealed.
+            with conn.transaction():
+                return reseal(conn)
+
+        def reseal(conn: psycopg.Connection[Any]) -> Rekeyed:
             rows = conn.execute(
                 """SELECT tenant_id, name, secret, previous_secret FROM delivery_destinations
                     WHERE secret IS NOT NULL OR previous_secret IS NOT NULL

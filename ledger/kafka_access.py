@@ -186,7 +186,7 @@ def drop_access(settings: Settings, names_starting: str, timeout: float = 30.0) 
 
 def password_file(settings: Settings, principal: str) -> Path:
     """Where the local stack keeps ``principal``'s password."""
-    return settings.home / "keys" / f"kafka-{principal}.password"
+    return settings.kafka_password_path_of(principal)
 
 
 def make_passwords(settings: Settings, principals: Iterable[str] = PRINCIPALS) -> None:

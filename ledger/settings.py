@@ -116,8 +116,11 @@ class Settings:
     #: ``operator`` for policy changes, ``sdk`` for everything else; ``ledger.kafka_access``).
     kafka_principal: str = ""
     #: OPLEDGER_KAFKA_PASSWORD_FILE: the file holding that user's password (its first line).
-    #: Empty: ``<home>/keys/kafka-<principal>.password``, which `opledger stack up` creates.
+    #: Empty: ``kafka-<principal>.password`` in OPLEDGER_KAFKA_PASSWORD_DIR.
     kafka_password_file: str = ""
+    #: OPLEDGER_KAFKA_PASSWORD_DIR: where each principal's ``kafka-<principal>.password`` is,
+    #: which `opledger stack up` creates for the local stack. Empty: ``<home>/keys``.
+    kafka_password_dir: str = ""
     #: OPLEDGER_KAFKA_SASL_MECHANISM: SCRAM-SHA-512 unless a broker asks for another.
     kafka_sasl_mechanism: str = "SCRAM-SHA-512"
     #: OPLEDGER_KAFKA_CA_FILE: PEM of the CA that signed the brokers' certificates
@@ -287,6 +290,7 @@ class Settings:
             kafka_security=env.get("OPLEDGER_KAFKA_SECURITY", ""),
             kafka_principal=env.get("OPLEDGER_KAFKA_PRINCIPAL", ""),
             kafka_password_file=env.get("OPLEDGER_KAFKA_PASSWORD_FILE", ""),
+            kafka_password_dir=env.get("OPLEDGER_KAFKA_PASSWORD_DIR", ""),
             kafka_sasl_mechanism=env.get("OPLEDGER_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
             kafka_ca_file=env.get("OPLEDGER_KAFKA_CA_FILE", ""),
             topic_prefix=env.get("OPLEDGER_TOPIC_PREFIX", "opledger"),
@@ -512,10 +516,17 @@ class Settings:
 
     @property
     def kafka_password_path(self) -> Path:
-        # The same place as ledger.kafka_access.password_file, which cannot be imported here.
-        return Path(
-            self.kafka_password_file or self.home / "keys" / f"kafka-{self.kafka_user}.password"
-        )
+        if self.kafka_password_file:
+            return Path(self.kafka_password_file)
+        return self.kafka_password_path_of(self.kafka_user)
+
+    @property
+    def kafka_password_directory(self) -> Path:
+        return Path(self.kafka_password_dir) if self.kafka_password_dir else self.home / "keys"
+
+    def kafka_password_path_of(self, principal: str) -> Path:
+        """Where ``principal``'s password is kept (``opledger stack up`` writes them there)."""
+        return self.kafka_password_directory / f"kafka-{principal}.password"
 
     def as_kafka_role(self, role: str) -> Self:
         """These settings for a process of ``role`` (``projector``, ``operator``, ...): its

@@ -63,6 +63,8 @@ def stack_settings() -> Settings:
     # their own; what the service principals may not do is tests/integration/test_kafka_access.
     settings = Settings.from_env().as_kafka_role("admin")
     stack.up(settings, echo=lambda _line: None)
+    # Kept with a test's private home too: the passwords are the stack's broker's.
+    settings = settings.with_(kafka_password_dir=str(settings.kafka_password_directory))
     # Test receivers listen on loopback, where webhooks may not go unless allowed (decision
     # 019): every test's settings, isolated or a private stack's, start from these.
     return settings.with_(delivery_allow_networks="127.0.0.0/8,::1/128")

@@ -297,6 +297,7 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         # No principal: a child signs in as its command's role (ledger.kafka_access), as it
         # would on the stack; the test process itself is the broker's admin.
         OPLEDGER_KAFKA_SECURITY=settings.kafka_security_protocol,
+        OPLEDGER_KAFKA_PASSWORD_DIR=str(settings.kafka_password_directory),
         OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
         OPLEDGER_PARTITIONS=str(settings.partitions),
         OPLEDGER_REPLICATION_FACTOR=str(settings.replication_factor),

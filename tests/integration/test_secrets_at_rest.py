@@ -15,8 +15,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ledger.destinations import new_secret
-from ledger.secret_box import SecretBox
+from ledger.destinations import DestinationStore, Kind, new_secret
+from ledger.pg import open_pool
+from ledger.secret_box import SecretBox, SecretKeyError, key_lines, new_key_line, write_key_file
 from ledger.settings import Settings
 from ledger.topics import topic_specs
 from opledger.stack import find_pg_bindir
@@ -180,3 +181,36 @@ def test_no_secret_a_run_used_is_found_in_anything_it_wrote(
     ]
     for where, blob in written.items():
         assert not [k for k in keys if k.encode() in blob], f"key material in {where}"
+
+
+def test_a_rekey_that_meets_a_secret_no_key_opens_changes_nothing(
+    isolated: Settings, tmp_path: Path
+) -> None:
+    """Its docstring promises one transaction: a destination resealed before the one that does
+    not open must be rolled back with it (each UPDATE committed on its own before)."""
+    old_key, stranger_key, rotated = (tmp_path / n for n in ("old.key", "stranger.key", "new.key"))
+    write_key_file(old_key, [new_key_line()])
+    write_key_file(stranger_key, [new_key_line()])
+    with open_pool(isolated.dsn, name="test-rekey", max_size=2) as pool:
+        for name, key in (("a-first", old_key), ("b-second", stranger_key)):
+            DestinationStore(pool, isolated.with_(secrets_key_file=str(key))).add(
+                tenant_id=TENANT,
+                name=name,
+                kind=Kind.WEBHOOK,
+                target=f"https://{name}.example.com/hook",
+                tools=["*"],
+                changed_by="test",
+            )
+        write_key_file(rotated, [new_key_line(), *key_lines(old_key)])
+        with psycopg.connect(isolated.dsn) as conn:
+            before = conn.execute(
+                "SELECT name, secret FROM delivery_destinations ORDER BY name"
+            ).fetchall()
+        store = DestinationStore(pool, isolated.with_(secrets_key_file=str(rotated)))
+        with pytest.raises(SecretKeyError, match="b-second"):
+            store.rekey()
+        with psycopg.connect(isolated.dsn) as conn:
+            after = conn.execute(
+                "SELECT name, secret FROM delivery_destinations ORDER BY name"
+            ).fetchall()
+    assert after == before, "a failed rekey left some secrets resealed"
