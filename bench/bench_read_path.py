@@ -38,7 +38,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from benchenv import isolated, producer
+from benchenv import faust_credentials, isolated, producer
 from ledger.codec import default_codec
 from ledger.domain.events import Transition
 from ledger.kafka import connection_config
@@ -149,9 +149,12 @@ def faust_worker(spec: dict[str, Any]) -> None:
     """Subprocess body: one faust worker whose agent counts ``spec["total"]`` records, writes
     the timing to ``spec["out"]``, and runs until the parent's SIGTERM (faust's graceful stop)."""
     app_id, topic, total, mode, out = (spec[k] for k in ("app_id", "topic", "total", "mode", "out"))
+    # The parent's environment, as the admin (a faust app makes its own topics and groups).
+    settings = Settings.from_env().as_kafka_role("admin")
     app = faust.App(
         app_id,
         broker=f"kafka://{spec['bootstrap']}",
+        broker_credentials=faust_credentials(settings),
         store="memory://",
         web_enabled=False,
         datadir=spec["datadir"],

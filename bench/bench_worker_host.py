@@ -60,11 +60,19 @@ _FAUST = (
     + """
 import asyncio, faust, mode
 from prometheus_client import generate_latest
+from ledger.kafka import connection_config
+_sasl = connection_config(settings)
+creds = None
+if _sasl["security.protocol"].startswith("sasl"):
+    from faust.auth import SASLCredentials
+    creds = SASLCredentials(username=_sasl["sasl.username"], password=_sasl["sasl.password"],
+        mechanism=_sasl["sasl.mechanism"])
 loop_ = Loop()
 app_id = f"{settings.topic_prefix}-bench-host"
 datadir = settings.home / "faust" / app_id
 datadir.mkdir(parents=True, exist_ok=True)
 app = faust.App(app_id, broker=f"kafka://{settings.bootstrap_servers}", store="memory://",
+    broker_credentials=creds,
     datadir=str(datadir), web_enabled=True, web_bind="127.0.0.1", web_port=port,
     web_in_thread=False, consumer_group_instance_id=f"{settings.topic_prefix}-bench-0",
     broker_session_timeout=10.0)
@@ -185,6 +193,9 @@ def main() -> None:
         "OPLEDGER_TOPIC_PREFIX": prefix,
         "OPLEDGER_KAFKA_BOOTSTRAP": settings.bootstrap_servers,
         "OPLEDGER_KAFKA_SECURITY": settings.kafka_security_protocol,
+        # Both hosts as the admin: the faust one makes its own topics and groups.
+        "OPLEDGER_KAFKA_PRINCIPAL": "admin",
+        "OPLEDGER_KAFKA_PASSWORD_DIR": str(settings.kafka_password_directory),
     }
     results: dict[str, list[dict[str, float]]] = {"faust": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import psycopg
@@ -206,3 +207,18 @@ def machine_seconds() -> tuple[float, float]:
     with open("/proc/stat", encoding="ascii") as stat:
         values = [int(v) for v in stat.readline().split()[1:]]
     return sum(values) / TICK, (values[3] + values[4]) / TICK
+
+
+def faust_credentials(settings: Settings) -> Any:
+    """The SASL credentials a faust (aiokafka) app needs for ``settings``' broker, or None on
+    a plaintext one: the benchmarks that still compare against faust sign in as the admin."""
+    config = connection_config(settings)
+    if not str(config["security.protocol"]).startswith("sasl"):
+        return None
+    from faust.auth import SASLCredentials  # noqa: PLC0415
+
+    return SASLCredentials(
+        username=config["sasl.username"],
+        password=config["sasl.password"],
+        mechanism=config["sasl.mechanism"],
+    )
