@@ -124,10 +124,13 @@ def measure(
         private_broker(stack_settings, sasl=False) as plain,
         private_broker(stack_settings, sasl=True) as guarded,
     ):
+        # The database side as well (decision 034): the owner, which row-level security does
+        # not hold, against the SDK's own role, which it does (a policy on every read).
         accesses = {
-            "plaintext, no authorizer": plain,
-            "SASL/SCRAM, super user": guarded,
-            "SASL/SCRAM + ACLs, sdk": guarded.with_(kafka_principal="sdk"),
+            "plaintext, no authorizer": plain.with_(pg_role="owner"),
+            "SASL/SCRAM, super user": guarded.with_(pg_role="owner"),
+            "SASL/SCRAM + ACLs, sdk": guarded.with_(kafka_principal="sdk", pg_role="owner"),
+            "+ PG role opledger_sdk": guarded.with_(kafka_principal="sdk", pg_role="sdk"),
         }
         paths = [p for p in args.paths if p != "execute"]
 

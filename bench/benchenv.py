@@ -69,7 +69,8 @@ def isolated(base: Settings, label: str, extra_databases: int = 0) -> Iterator[I
         for name in names:
             dsns.append(create_database(base, name))
             created.append(name)
-        settings = settings.with_(pg_dsn=dsns[0])
+        # The local server's database, not a DSN: the SDK signs in as its own role there.
+        settings = settings.with_(pg_database=names[0])
         ensure_topics(settings)
         db.migrate(settings.dsn)  # the tables `opledger db migrate` makes, as a deployment has
         yield Isolated(settings, tuple(dsns[1:]))

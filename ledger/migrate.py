@@ -101,11 +101,60 @@ def load(directory: Path) -> list[Migration]:
     return [migrations[v] for v in sorted(migrations)]
 
 
+def _has_checksums(conn: psycopg.Connection[object]) -> bool:
+    return (
+        conn.execute(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass "
+            "AND attname = 'checksum' AND NOT attisdropped"
+        ).fetchone()
+        is not None
+    )
+
+
+def _applied(conn: psycopg.Connection[object], component: str) -> list[Applied]:
+    rows = conn.execute(
+        "SELECT version, name, checksum, applied_at::text FROM schema_migrations "
+        "WHERE component = %s ORDER BY version",
+        (component,),
+    ).fetchall()
+    return [Applied(int(r[0]), str(r[1]), r[2], str(r[3])) for r in rows]  # type: ignore[index]
+
+
+def _up_to_date(
+    conn: psycopg.Connection[object], component: str, files: Mapping[int, Migration]
+) -> bool:
+    """Whether the database holds exactly ``files``, checksums recorded: read only, so a
+    service's role that may change no table starts on tables the owner migrated."""
+    with conn.transaction():
+        if conn.execute("SELECT to_regclass('schema_migrations')").fetchone() in (None, (None,)):
+            return False
+        if not _has_checksums(conn):
+            return False
+        applied = _applied(conn, component)
+    return not verify(component, applied, files) and {a.version for a in applied} == set(files)
+
+
 def apply(conn: psycopg.Connection[object], component: str, directory: Path) -> list[int]:
     """Check the component's applied migrations against its files, then apply the pending ones,
-    in one transaction; returns the versions run."""
-    applied_now: list[int] = []
+    in one transaction; returns the versions run. A database already up to date is only read:
+    the services' roles may check it, only its owner can migrate it (decision 034)."""
     files = {m.version: m for m in load(directory)}
+    try:
+        if _up_to_date(conn, component, files):
+            return []
+        return _apply(conn, component, files)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise MigrationError(
+            f"{component} migrations are pending and {conn.info.user!r} may not apply them "
+            f"({exc.diag.message_primary}): run `opledger db migrate` as the database's owner "
+            "first; refusing to start"
+        ) from None
+
+
+def _apply(
+    conn: psycopg.Connection[object], component: str, files: Mapping[int, Migration]
+) -> list[int]:
+    applied_now: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
         conn.execute(
@@ -119,18 +168,9 @@ def apply(conn: psycopg.Connection[object], component: str, directory: Path) -> 
         )
         # A table made before checksums: one ALTER, once (it would take an exclusive lock on
         # every start otherwise).
-        has_checksum = conn.execute(
-            "SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass "
-            "AND attname = 'checksum' AND NOT attisdropped"
-        ).fetchone()
-        if has_checksum is None:
+        if not _has_checksums(conn):
             conn.execute("ALTER TABLE schema_migrations ADD COLUMN checksum TEXT")
-        rows = conn.execute(
-            "SELECT version, name, checksum, applied_at::text FROM schema_migrations "
-            "WHERE component = %s ORDER BY version",
-            (component,),
-        ).fetchall()
-        applied = [Applied(int(r[0]), str(r[1]), r[2], str(r[3])) for r in rows]  # type: ignore[index]
+        applied = _applied(conn, component)
         for migration in verify(component, applied, files):
             conn.execute(
                 "UPDATE schema_migrations SET checksum = %s WHERE component = %s AND version = %s",

@@ -29,6 +29,21 @@ _PRINCIPAL = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: What OPLEDGER_KAFKA_SECURITY may say (librdkafka's security.protocol values we support).
 KAFKA_SECURITY_PROTOCOLS = ("plaintext", "sasl_plaintext", "sasl_ssl")
 KAFKA_SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+
+#: The local server's owner role: it runs the migrations and the admin commands.
+PG_OWNER = "opledger"
+#: The service roles on the local server (decision 034), each with only its own rights.
+PG_SERVICE_ROLES = ("sdk", "projector", "recovery", "delivery")
+PG_ROLES = ("owner", *PG_SERVICE_ROLES)
+_PG_DATABASE = re.compile(r"[a-z][a-z0-9_]{0,62}")
+
+
+def pg_role_name(role: str) -> str:
+    """The database role of a service role name (``sdk`` → ``opledger_sdk``; ``owner`` →
+    the owner)."""
+    return PG_OWNER if role == "owner" else f"{PG_OWNER}_{role}"
+
+
 #: standardwebhooks 1.1.0 refuses a webhook-timestamp more than 5 minutes from now, whatever its
 #: caller wants (the window is a constant in its source), so a wider tolerance could not work.
 MAX_TIMESTAMP_TOLERANCE_S = 300
@@ -141,6 +156,15 @@ class Settings:
     pg_port: int = 15432
     #: OPLEDGER_PG_DSN: connection string of the projection database; defaults to the local one.
     pg_dsn: str = ""
+    #: OPLEDGER_PG_DATABASE: the database on the local server (when OPLEDGER_PG_DSN is empty).
+    pg_database: str = "opledger"
+    #: OPLEDGER_PG_ROLE: the database role every process of this environment signs in as on the
+    #: local server (``sdk``, ``projector``, ``recovery``, ``delivery``, ``owner``); empty, each
+    #: component takes its own (decision 034) and admin commands the owner.
+    pg_role: str = ""
+    #: OPLEDGER_PG_PASSWORD_DIR: where the local server's roles' libpq password files are
+    #: (``<home>/keys`` when empty).
+    pg_password_dir: str = ""
     #: OPLEDGER_PROJECTOR_GROUP: consumer group the projector commits (informational) offsets under.
     projector_group: str = "opledger-projector"
     #: OPLEDGER_PROJECTOR_BATCH: most records the projector folds in one PostgreSQL transaction.
@@ -298,6 +322,9 @@ class Settings:
             replication_factor=_int(env, "OPLEDGER_REPLICATION_FACTOR", 1),
             pg_port=_int(env, "OPLEDGER_PG_PORT", 15432),
             pg_dsn=env.get("OPLEDGER_PG_DSN", ""),
+            pg_database=env.get("OPLEDGER_PG_DATABASE", "opledger"),
+            pg_role=env.get("OPLEDGER_PG_ROLE", ""),
+            pg_password_dir=env.get("OPLEDGER_PG_PASSWORD_DIR", ""),
             projector_group=env.get("OPLEDGER_PROJECTOR_GROUP", "opledger-projector"),
             projector_batch=_int(env, "OPLEDGER_PROJECTOR_BATCH", 5000),
             projector_web_port=_int(env, "OPLEDGER_PROJECTOR_WEB_PORT", 16066),
@@ -453,6 +480,15 @@ class Settings:
                 f"{_var('kafka_principal')} may hold letters, digits, '.', '_' and '-' only "
                 f"(1-64 characters), got {self.kafka_principal!r}"
             )
+        if self.pg_role not in ("", *PG_ROLES):
+            raise SettingsError(
+                f"{_var('pg_role')} must be one of {', '.join(PG_ROLES)}, got {self.pg_role!r}"
+            )
+        if not _PG_DATABASE.fullmatch(self.pg_database):
+            raise SettingsError(
+                f"{_var('pg_database')} may hold lowercase letters, digits and '_' only "
+                f"(1-63 characters, a letter first), got {self.pg_database!r}"
+            )
         if self.kafka_sasl_mechanism not in KAFKA_SASL_MECHANISMS:
             raise SettingsError(
                 f"{_var('kafka_sasl_mechanism')} must be one of {', '.join(KAFKA_SASL_MECHANISMS)}"
@@ -543,24 +579,43 @@ class Settings:
     def bootstrap_servers(self) -> str:
         return self.kafka_bootstrap or f"127.0.0.1:{self.kafka_port}"
 
+    def as_pg_role(self, role: str) -> Self:
+        """These settings for a process of ``role`` on the local server (decision 034): its
+        database role, unless OPLEDGER_PG_ROLE chose one for every process. A DSN given in
+        OPLEDGER_PG_DSN names its own user and is used as it is."""
+        return self if self.pg_role else replace(self, pg_role=role)
+
+    @property
+    def pg_user(self) -> str:
+        """The local server's role these settings sign in as: the owner unless a component
+        named its own."""
+        return pg_role_name(self.pg_role or "owner")
+
     @property
     def dsn(self) -> str:
-        return self.pg_dsn or self._local_dsn("opledger")
+        return self.pg_dsn or self._local_dsn(self.pg_database, self.pg_user)
 
     @property
     def consumer_dsn(self) -> str:
-        return self.consumer_pg_dsn or self._local_dsn("opledger_consumer")
+        # The reference consumer's database is its own application's: it owns it.
+        return self.consumer_pg_dsn or self._local_dsn("opledger_consumer", PG_OWNER)
 
     @property
     def pg_passfile_path(self) -> Path:
-        """The local stack's libpq password file (``opledger stack up`` makes it, 0600): its
-        server asks every connection for a password (SCRAM), and the DSN names this file
-        rather than holding the password, so no DSN printed or logged carries it."""
-        return self.home / "keys" / "pgpass"
+        """The local stack's owner's libpq password file (``opledger stack up`` makes it,
+        0600): its server asks every connection for a password (SCRAM), and the DSN names this
+        file rather than holding the password, so no DSN printed or logged carries it."""
+        return self.pg_passfile_path_of(PG_OWNER)
 
-    def _local_dsn(self, database: str) -> str:
-        passfile = quote(str(self.pg_passfile_path), safe="/")
-        return f"postgresql://opledger@127.0.0.1:{self.pg_port}/{database}?passfile={passfile}"
+    def pg_passfile_path_of(self, user: str) -> Path:
+        """Where the local server's role ``user`` keeps its password: one file per role, so a
+        process can read its own and no other's (``opledger stack up`` writes them)."""
+        directory = Path(self.pg_password_dir) if self.pg_password_dir else self.home / "keys"
+        return directory / ("pgpass" if user == PG_OWNER else f"pgpass-{user}")
+
+    def _local_dsn(self, database: str, user: str) -> str:
+        passfile = quote(str(self.pg_passfile_path_of(user)), safe="/")
+        return f"postgresql://{user}@127.0.0.1:{self.pg_port}/{database}?passfile={passfile}"
 
     @property
     def consumer_secret_list(self) -> tuple[str, ...]:

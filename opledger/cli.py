@@ -217,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # operator, everything else as "sdk".
         if role := getattr(args, "kafka_role", None):
             settings = settings.as_kafka_role(role)
+        # Its database role likewise (decision 034): a worker's own, the owner for the rest.
+        if role := getattr(args, "pg_role", None):
+            settings = settings.as_pg_role(role)
         return _resolve(args.handler)(args, settings)
     except (stack.StackError, SettingsError) as exc:
         print(f"opledger: {exc}", file=sys.stderr)

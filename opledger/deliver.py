@@ -566,7 +566,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "deliver", help="the delivery worker: outbox, signed webhooks and queues, retries"
     )
-    parser.set_defaults(kafka_role="delivery")
+    parser.set_defaults(kafka_role="delivery", pg_role="delivery")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     run_parser = actions.add_parser("run", help="deliver results until stopped (SIGTERM/SIGINT)")
     run_parser.add_argument(

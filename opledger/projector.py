@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 def register(commands: Any) -> None:
     """``opledger projector run``."""
     parser = commands.add_parser("projector", help="the projector worker (topics -> PostgreSQL)")
-    parser.set_defaults(kafka_role="projector")
+    parser.set_defaults(kafka_role="projector", pg_role="projector")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     run_parser = actions.add_parser(
         "run", help="fold both topics into the projections until stopped (SIGTERM/SIGINT)"

@@ -104,7 +104,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "recover", help="the recovery worker: resume, detect UNKNOWN, reconcile with policy"
     )
-    parser.set_defaults(kafka_role="recovery")
+    parser.set_defaults(kafka_role="recovery", pg_role="recovery")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     run_parser = actions.add_parser(
         "run", help="look after operations whose owner went away, until stopped (SIGTERM/SIGINT)"

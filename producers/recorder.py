@@ -339,6 +339,8 @@ class RecorderCore:
             transport = wrap_transport(transport)
         options = RecorderOptions(owns=[transport], metrics=metrics, providers=providers)
         if with_results:
+            # The SDK's own database role (decision 034), unless OPLEDGER_PG_ROLE chose one.
+            settings = settings.as_pg_role("sdk")
             pool = open_pool(
                 settings.dsn, name="opledger-sdk", lock_timeout_ms=settings.pg_lock_timeout_ms
             )

@@ -64,7 +64,10 @@ def stack_settings() -> Settings:
     settings = Settings.from_env().as_kafka_role("admin")
     stack.up(settings, echo=lambda _line: None)
     # Kept with a test's private home too: the passwords are the stack's broker's.
-    settings = settings.with_(kafka_password_dir=str(settings.kafka_password_directory))
+    settings = settings.with_(
+        kafka_password_dir=str(settings.kafka_password_directory),
+        pg_password_dir=str(settings.pg_passfile_path.parent),
+    )
     # Test receivers listen on loopback, where webhooks may not go unless allowed (decision
     # 019): every test's settings, isolated or a private stack's, start from these.
     return settings.with_(delivery_allow_networks="127.0.0.0/8,::1/128")
@@ -80,7 +83,9 @@ def _isolated(stack_settings: Settings) -> Iterator[Settings]:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
     settings = stack_settings.with_(
         topic_prefix=tag,
-        pg_dsn=make_conninfo(stack_settings.dsn, dbname=database),
+        # The local server's database, not a DSN: the SDK and the workers in it sign in as
+        # their own roles (decision 034); the test itself is the owner.
+        pg_database=database,
     )
     try:
         ensure_topics(settings)

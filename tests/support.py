@@ -301,7 +301,11 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
         OPLEDGER_PARTITIONS=str(settings.partitions),
         OPLEDGER_REPLICATION_FACTOR=str(settings.replication_factor),
-        OPLEDGER_PG_DSN=settings.dsn,
+        # No role: a child signs in to the database as its command's role (decision 034).
+        OPLEDGER_PG_DSN=settings.pg_dsn,
+        OPLEDGER_PG_DATABASE=settings.pg_database,
+        OPLEDGER_PG_PORT=str(settings.pg_port),
+        OPLEDGER_PG_PASSWORD_DIR=str(settings.pg_passfile_path.parent),
         OPLEDGER_PROJECTOR_GROUP=settings.projector_group,
         OPLEDGER_PROJECTOR_BATCH=str(settings.projector_batch),
         OPLEDGER_PROJECTOR_WEB_PORT=str(settings.projector_web_port),

@@ -30,6 +30,7 @@ from opledger.stack.kafka import (
 )
 from opledger.stack.postgres import (
     ensure_database,
+    ensure_service_logins,
     postgres_pid,
     postgres_version,
     start_postgres,
@@ -70,7 +71,9 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
         except TopicError as exc:
             raise StackError(str(exc)) from None
         # Every component's tables, so the SDK and the workers find them (the SDK makes none).
-        db.migrate(settings.dsn)
+        db.migrate(settings.with_(pg_role="owner").dsn)
+        # Then each service's role may sign in (decision 034): the migrations made it.
+        ensure_service_logins(settings)
         ensure_consumer_secret(settings)
         # Before the workers: the projector folds only changes signed by a trusted key, and
         # the delivery worker opens destinations' secrets with the secrets key.

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import psycopg
@@ -19,7 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger import pg
 from ledger.private_files import create_private_once
-from ledger.settings import Settings
+from ledger.settings import PG_SERVICE_ROLES, Settings, pg_role_name
 from opledger import supervisor
 from opledger.stack.errors import StackError
 from opledger.stack.home import (
@@ -264,17 +265,64 @@ def require_passwords(settings: Settings) -> None:
     if hba.is_file() and hba.read_text() == _HBA:
         return
     with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn:
-        # Hashed by libpq before it is sent: no statement the server may log holds it.
-        verifier = conn.pgconn.encrypt_password(
-            password.encode(), PG_USER.encode(), b"scram-sha-256"
-        ).decode()
-        conn.execute(
-            sql.SQL("ALTER ROLE {} PASSWORD {}").format(
-                sql.Identifier(PG_USER), sql.Literal(verifier)
-            )
-        )
+        _set_password(conn, PG_USER, password)
         _write_pg_owned(hba, _HBA)
         conn.execute("SELECT pg_reload_conf()")
+
+
+#: Serialises `stack up`s giving the service roles their passwords (test workers start at once).
+_LOGINS_LOCK = 0x6F706C6567726F6C  # "oplegrol"
+
+
+def ensure_service_logins(settings: Settings) -> None:
+    """Let each service role of decision 034 sign in with a password of its own, kept in its
+    own 0600 passfile. The migrations made the roles and their rights; a role whose passfile
+    already opens it is left alone."""
+    if settings.pg_dsn:
+        return  # a server of the user's: its roles are its administrator's
+    for role in PG_SERVICE_ROLES:
+        user = pg_role_name(role)
+        path = settings.pg_passfile_path_of(user)
+        create_private_once(path, partial(_passfile_line, user))
+        if _can_sign_in(settings, user):
+            continue
+        password = path.read_text().strip().rsplit(":", 1)[1]
+        with pg.connect(_admin_dsn(settings), name=_PG_SESSION) as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOGINS_LOCK,))
+            _set_password(conn, user, password, login=True)
+
+
+def _passfile_line(user: str) -> str:
+    return f"*:*:*:{user}:{secrets.token_urlsafe(24)}\n"
+
+
+def _can_sign_in(settings: Settings, user: str) -> bool:
+    dsn = make_conninfo(
+        user=user,
+        host="127.0.0.1",
+        port=str(settings.pg_port),
+        dbname="postgres",
+        passfile=str(settings.pg_passfile_path_of(user)),
+    )
+    try:
+        with pg.connect(dsn, name=_PG_SESSION, connect_timeout=5):
+            return True
+    except psycopg.OperationalError:
+        return False
+
+
+def _set_password(
+    conn: psycopg.Connection[object], user: str, password: str, *, login: bool = False
+) -> None:
+    # Hashed by libpq before it is sent: no statement the server may log holds it.
+    verifier = conn.pgconn.encrypt_password(password.encode(), user.encode(), b"scram-sha-256")
+    conn.execute(
+        sql.SQL("ALTER ROLE {} {} PASSWORD {}").format(
+            sql.Identifier(user),
+            sql.SQL("LOGIN" if login else ""),
+            sql.Literal(verifier.decode()),
+        )
+    )
 
 
 def postgres_version(settings: Settings) -> str | None:
