@@ -609,7 +609,8 @@ class Settings:
 
     def pg_passfile_path_of(self, user: str) -> Path:
         """Where the local server's role ``user`` keeps its password: one file per role, so a
-        process can read its own and no other's (``opledger stack up`` writes them)."""
+        deployment can give each process its own file and no other (``opledger stack up``
+        writes them; on the local stack one user of the machine holds them all)."""
         directory = Path(self.pg_password_dir) if self.pg_password_dir else self.home / "keys"
         return directory / ("pgpass" if user == PG_OWNER else f"pgpass-{user}")
 
