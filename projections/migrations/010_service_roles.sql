@@ -21,8 +21,23 @@ $$;
 
 -- The projector writes every tenant's rows with COPY, which row-level security does not allow
 -- for a role it holds: the projector bypasses it (it folds the log; it answers no tenant's
--- question). Only a superuser may give that attribute.
-ALTER ROLE opledger_projector BYPASSRLS;
+-- question). Only a superuser may give that attribute. Changed only when missing: an ALTER ROLE
+-- on every run races the same one in a database migrated at the same moment ("tuple
+-- concurrently updated"), and the loser of that race finds the winner's change committed.
+DO $$
+BEGIN
+    IF NOT (SELECT rolbypassrls FROM pg_roles WHERE rolname = 'opledger_projector') THEN
+        BEGIN
+            ALTER ROLE opledger_projector BYPASSRLS;
+        EXCEPTION WHEN internal_error THEN
+            NULL;
+        END;
+    END IF;
+    IF NOT (SELECT rolbypassrls FROM pg_roles WHERE rolname = 'opledger_projector') THEN
+        RAISE EXCEPTION 'role opledger_projector lacks BYPASSRLS after its migration';
+    END IF;
+END
+$$;
 
 GRANT SELECT ON schema_migrations
     TO opledger_projector, opledger_sdk, opledger_recovery, opledger_delivery;

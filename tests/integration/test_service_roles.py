@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from uuid import uuid4
 
 import psycopg
@@ -255,3 +256,52 @@ def test_a_service_refuses_to_start_on_tables_its_owner_has_not_migrated(
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
             )
+
+
+def test_databases_migrated_at_the_same_moment_all_end_up_migrated(
+    stack_settings: Settings,
+) -> None:
+    """Roles belong to the cluster: every xdist worker's fresh database migrates at once, and a
+    migration that changes a role's attributes on every run raced the others' (``tuple
+    concurrently updated``, a CI run's failed setup)."""
+    admin_dsn = make_conninfo(stack_settings.dsn, dbname="postgres")
+    names = [f"opledger_race_{uuid4().hex[:8]}" for _ in range(6)]
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    start = threading.Barrier(len(names))
+    failures: list[BaseException] = []
+
+    def migrate(name: str) -> None:
+        start.wait()
+        try:
+            db.migrate(make_conninfo(stack_settings.dsn, dbname=name))
+        except BaseException as exc:
+            failures.append(exc)
+
+    try:
+        for _round in range(3):
+            threads = [threading.Thread(target=migrate, args=(n,)) for n in names]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert failures == []
+            with psycopg.connect(admin_dsn, autocommit=True) as conn:
+                for name in names:
+                    conn.execute(
+                        sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name))
+                    )
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            start.reset()
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            for name in names:
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+    with psycopg.connect(admin_dsn) as conn:
+        bypass = conn.execute(
+            "SELECT rolbypassrls FROM pg_roles WHERE rolname = 'opledger_projector'"
+        ).fetchone()
+    assert bypass == (True,)
