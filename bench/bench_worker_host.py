@@ -60,13 +60,8 @@ _FAUST = (
     + """
 import asyncio, faust, mode
 from prometheus_client import generate_latest
-from ledger.kafka import connection_config
-_sasl = connection_config(settings)
-creds = None
-if _sasl["security.protocol"].startswith("sasl"):
-    from faust.auth import SASLCredentials
-    creds = SASLCredentials(username=_sasl["sasl.username"], password=_sasl["sasl.password"],
-        mechanism=_sasl["sasl.mechanism"])
+from benchenv import faust_credentials
+creds = faust_credentials(settings)
 loop_ = Loop()
 app_id = f"{settings.topic_prefix}-bench-host"
 datadir = settings.home / "faust" / app_id
@@ -189,7 +184,8 @@ def main() -> None:
     prefix = f"benchhost{uuid4().hex[:8]}"
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        # The bench's own directory too: the faust host takes its credentials from benchenv.
+        "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "bench"))),
         "OPLEDGER_TOPIC_PREFIX": prefix,
         "OPLEDGER_KAFKA_BOOTSTRAP": settings.bootstrap_servers,
         "OPLEDGER_KAFKA_SECURITY": settings.kafka_security_protocol,

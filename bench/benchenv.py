@@ -211,15 +211,22 @@ def machine_seconds() -> tuple[float, float]:
 
 
 def faust_credentials(settings: Settings) -> Any:
-    """The SASL credentials a faust (aiokafka) app needs for ``settings``' broker, or None on
-    a plaintext one: the benchmarks that still compare against faust sign in as the admin."""
+    """The SASL credentials a faust (aiokafka) app needs for ``settings``' broker (over TLS,
+    trusting its CA file, on a TLS one), or None on a plaintext one: the benchmarks that still
+    compare against faust sign in as the admin."""
     config = connection_config(settings)
     if not str(config["security.protocol"]).startswith("sasl"):
         return None
+    import ssl  # noqa: PLC0415
+
     from faust.auth import SASLCredentials  # noqa: PLC0415
 
+    context = None
+    if config["security.protocol"] == "sasl_ssl":
+        context = ssl.create_default_context(cafile=config.get("ssl.ca.location"))
     return SASLCredentials(
         username=config["sasl.username"],
         password=config["sasl.password"],
         mechanism=config["sasl.mechanism"],
+        ssl_context=context,
     )

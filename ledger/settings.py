@@ -123,9 +123,19 @@ class Settings:
     kafka_bootstrap: str = ""
     #: OPLEDGER_KAFKA_SECURITY: how clients reach the broker: ``sasl_plaintext`` (the local
     #: stack), ``sasl_ssl`` (TLS, with OPLEDGER_KAFKA_CA_FILE for a private CA) or
-    #: ``plaintext``. Empty: ``sasl_plaintext`` for the local broker, ``plaintext`` when
-    #: OPLEDGER_KAFKA_BOOTSTRAP names another (decision 029).
+    #: ``plaintext``. Empty: for the local broker ``sasl_ssl`` when OPLEDGER_KAFKA_TLS_KEYSTORE
+    #: names its certificate, else ``sasl_plaintext``; ``plaintext`` when
+    #: OPLEDGER_KAFKA_BOOTSTRAP names another broker (decision 029).
     kafka_security: str = ""
+    #: OPLEDGER_KAFKA_TLS_KEYSTORE: the local broker's own private key and certificate, which
+    #: put its client listener on TLS (SASL_SSL): a ``.pem`` file (the key in PKCS#8, then the
+    #: certificate chain), or a PKCS12 (``.p12``, ``.pfx``) or JKS (``.jks``) keystore, as
+    #: keytool makes them. The certificate must name 127.0.0.1, the address the broker
+    #: advertises. Empty: no TLS (decision 035).
+    kafka_tls_keystore: str = ""
+    #: OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE: a file whose first line is the password of
+    #: that keystore (PKCS12, JKS) or of its PEM key, if the key is encrypted.
+    kafka_tls_keystore_password_file: str = ""
     #: OPLEDGER_KAFKA_PRINCIPAL: the SCRAM user this process authenticates as. Empty: the role
     #: of the command that runs (``projector``, ``recovery``, ``delivery``, ``consumer``,
     #: ``operator`` for policy changes, ``sdk`` for everything else; ``ledger.kafka_access``).
@@ -317,6 +327,10 @@ class Settings:
             kafka_password_dir=env.get("OPLEDGER_KAFKA_PASSWORD_DIR", ""),
             kafka_sasl_mechanism=env.get("OPLEDGER_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
             kafka_ca_file=env.get("OPLEDGER_KAFKA_CA_FILE", ""),
+            kafka_tls_keystore=env.get("OPLEDGER_KAFKA_TLS_KEYSTORE", ""),
+            kafka_tls_keystore_password_file=env.get(
+                "OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE", ""
+            ),
             topic_prefix=env.get("OPLEDGER_TOPIC_PREFIX", "opledger"),
             partitions=_int(env, "OPLEDGER_PARTITIONS", 6),
             replication_factor=_int(env, "OPLEDGER_REPLICATION_FACTOR", 1),
@@ -475,6 +489,16 @@ class Settings:
                 f"{_var('kafka_security')} must be one of {', '.join(KAFKA_SECURITY_PROTOCOLS)}, "
                 f"got {self.kafka_security!r}"
             )
+        if (
+            self.kafka_tls_keystore
+            and not self.kafka_bootstrap
+            and self.kafka_security not in ("", "sasl_ssl")
+        ):
+            raise SettingsError(
+                f"{_var('kafka_tls_keystore')} puts the local broker on TLS, which "
+                f"{_var('kafka_security')}={self.kafka_security} cannot reach: set it to "
+                "sasl_ssl or leave it empty"
+            )
         if self.kafka_principal and not _PRINCIPAL.fullmatch(self.kafka_principal):
             raise SettingsError(
                 f"{_var('kafka_principal')} may hold letters, digits, '.', '_' and '-' only "
@@ -539,10 +563,13 @@ class Settings:
     @property
     def kafka_security_protocol(self) -> str:
         """``plaintext``, ``sasl_plaintext`` or ``sasl_ssl``: OPLEDGER_KAFKA_SECURITY, else
-        SASL for the local broker (which asks for it) and plaintext for one named elsewhere."""
+        SASL for the local broker (which asks for it; over TLS when it has a certificate) and
+        plaintext for one named elsewhere."""
         if self.kafka_security:
             return self.kafka_security
-        return "plaintext" if self.kafka_bootstrap else "sasl_plaintext"
+        if self.kafka_bootstrap:
+            return "plaintext"
+        return "sasl_ssl" if self.kafka_tls_keystore else "sasl_plaintext"
 
     @property
     def kafka_user(self) -> str:

@@ -21,6 +21,7 @@ from opledger.stack.home import (
 )
 from opledger.stack.kafka import (
     ensure_principals,
+    kafka_config_stale,
     kafka_healthy,
     kafka_pid,
     kill_kafka,
@@ -50,6 +51,11 @@ def up(settings: Settings, echo: Echo = print, workers: bool = True) -> None:
     """Start whatever is not running, wait until healthy, create the topics; then, unless
     ``workers`` is False, the supervisor of the workers (waiting until they serve)."""
     with locked(settings, "up", echo):
+        if kafka_pid(settings) is not None and (stale := kafka_config_stale(settings)):
+            # Its clients too: the workers read how to reach the broker when they start.
+            echo(f"kafka: {stale}; restarting it and the workers")
+            stop_supervisor(settings, echo)
+            stop_kafka(settings, echo)
         kafka_ok = kafka_pid(settings) is not None and kafka_healthy(settings)
         pg_ok = postgres_pid(settings) is not None and postgres_version(settings) is not None
         supervised = supervisor.supervisor_pid(settings) is not None

@@ -129,20 +129,139 @@ class BrokerSecrets:
     controller_password: str = field(repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class BrokerTls:
+    """The local broker's own key and certificate for a TLS client listener (decision 035):
+    ``keystore`` of ``keystore_type`` (``PEM``, ``PKCS12`` or ``JKS``), opened with
+    ``password`` (a PEM key's only if encrypted), and ``truststore``, the PEM of the CA the
+    broker trusts when it reaches its own listener (transaction markers go over the network,
+    even to itself); None: the JVM's own trust store."""
+
+    keystore: Path
+    keystore_type: str
+    password: str | None = field(repr=False)
+    truststore: Path | None = None
+
+    def properties(self) -> dict[str, str]:
+        props = {
+            "ssl.keystore.type": self.keystore_type,
+            "ssl.keystore.location": str(self.keystore),
+            # Clients prove who they are with SCRAM, not with certificates of their own.
+            "ssl.client.auth": "none",
+        }
+        if self.password is not None:
+            # Kafka refuses a store password for a PEM file: there it is the key's.
+            key = "ssl.key.password" if self.keystore_type == "PEM" else "ssl.keystore.password"
+            props[key] = self.password
+        if self.truststore is not None:
+            props["ssl.truststore.type"] = "PEM"
+            props["ssl.truststore.location"] = str(self.truststore)
+        return props
+
+
+_KEYSTORE_TYPES = {".pem": "PEM", ".p12": "PKCS12", ".pfx": "PKCS12", ".jks": "JKS"}
+
+
+def broker_tls(settings: Settings) -> BrokerTls | None:
+    """The local broker's TLS from OPLEDGER_KAFKA_TLS_KEYSTORE, checked before the broker
+    sees it: a file Kafka would refuse, or one others may read, is named with what to do."""
+    if not settings.kafka_tls_keystore:
+        return None
+    var = "OPLEDGER_KAFKA_TLS_KEYSTORE"
+    keystore = Path(settings.kafka_tls_keystore).expanduser().resolve()
+    kind = _KEYSTORE_TYPES.get(keystore.suffix.lower())
+    if kind is None:
+        raise StackError(
+            f"{var}={keystore}: name a .pem file (key and certificate chain) or a .p12, .pfx "
+            "or .jks keystore"
+        )
+    try:
+        mode = keystore.stat().st_mode
+        content = keystore.read_bytes()
+    except OSError as exc:
+        raise StackError(f"{var}: cannot read {keystore}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise StackError(
+            f"{var}: {keystore} holds a private key and others may read it "
+            f"(mode {mode & 0o777:o}): chmod 600 it"
+        )
+    password = _keystore_password(settings)
+    if kind == "PEM":
+        _check_pem_keystore(keystore, content, encrypted_key_password=password)
+    elif password is None:
+        raise StackError(
+            f"{var}: a {kind} keystore needs its password in "
+            "OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE"
+        )
+    truststore = None
+    if settings.kafka_ca_file:
+        truststore = Path(settings.kafka_ca_file).expanduser().resolve()
+        if b"-----BEGIN CERTIFICATE-----" not in _read(truststore, "OPLEDGER_KAFKA_CA_FILE"):
+            raise StackError(f"OPLEDGER_KAFKA_CA_FILE: {truststore} holds no PEM certificate")
+    return BrokerTls(keystore, kind, password, truststore)
+
+
+def _read(path: Path, var: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise StackError(f"{var}: cannot read {path}: {exc.strerror}") from None
+
+
+def _keystore_password(settings: Settings) -> str | None:
+    if not settings.kafka_tls_keystore_password_file:
+        return None
+    var = "OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE"
+    path = Path(settings.kafka_tls_keystore_password_file).expanduser()
+    lines = _read(path, var).decode("utf-8", "replace").splitlines()
+    if not lines or not lines[0].strip():
+        raise StackError(f"{var}: {path} is empty")
+    return lines[0].strip()
+
+
+def _check_pem_keystore(path: Path, content: bytes, *, encrypted_key_password: str | None) -> None:
+    var = "OPLEDGER_KAFKA_TLS_KEYSTORE"
+    if (
+        b"-----BEGIN RSA PRIVATE KEY-----" in content
+        or b"-----BEGIN EC PRIVATE KEY-----" in content
+    ):
+        raise StackError(
+            f"{var}: the key in {path} is not PKCS#8, the only form Kafka reads: convert it "
+            "with `openssl pkcs8 -topk8 -nocrypt -in KEY -out KEY8` (or -v2 aes256 to keep it "
+            "encrypted)"
+        )
+    encrypted = b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in content
+    if not encrypted and b"-----BEGIN PRIVATE KEY-----" not in content:
+        raise StackError(f"{var}: {path} holds no private key (PEM, PKCS#8)")
+    if b"-----BEGIN CERTIFICATE-----" not in content:
+        raise StackError(f"{var}: {path} holds no certificate: append the chain to the key")
+    if encrypted and encrypted_key_password is None:
+        raise StackError(
+            f"{var}: the key in {path} is encrypted; name its password in "
+            "OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE"
+        )
+    if not encrypted and encrypted_key_password is not None:
+        raise StackError(
+            f"{var}: the key in {path} is not encrypted, yet "
+            "OPLEDGER_KAFKA_TLS_KEYSTORE_PASSWORD_FILE names a password for it: drop one"
+        )
+
+
 _PLAIN = "org.apache.kafka.common.security.plain.PlainLoginModule required"
 _SCRAM = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
 
 
-def _sasl_properties(secrets: BrokerSecrets) -> dict[str, str]:
+def _sasl_properties(secrets: BrokerSecrets, listener: str) -> dict[str, str]:
     admin, controller = secrets.admin_password, secrets.controller_password
+    name = listener.lower()
     return {
         "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
         "sasl.mechanism.inter.broker.protocol": "PLAIN",
         "sasl.mechanism.controller.protocol": "PLAIN",
-        "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+        f"listener.name.{name}.plain.sasl.jaas.config": (
             f'{_PLAIN} username="{ADMIN}" password="{admin}" user_{ADMIN}="{admin}";'
         ),
-        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": _SCRAM,
+        f"listener.name.{name}.scram-sha-512.sasl.jaas.config": _SCRAM,
         "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
         "listener.name.controller.plain.sasl.jaas.config": (
             f'{_PLAIN} username="controller" password="{controller}" '
@@ -164,15 +283,20 @@ def kraft_properties(
     log_dir: Path,
     replication: int = 1,
     secrets: BrokerSecrets | None = None,
+    tls: BrokerTls | None = None,
 ) -> dict[str, str]:
     """``server.properties`` of one combined broker and controller on 127.0.0.1: the local
     stack's single node, or one of the nodes of ``tests/cluster_support.py``'s cluster.
     ``voters`` is ``controller.quorum.voters`` (``id@host:port,...``); ``replication`` the
     replicas of the broker's internal topics (consumer offsets, transaction state). With
     ``secrets``, every listener asks for SASL and ACLs decide (decision 029); without, it is
-    plaintext and open (the test cluster's nodes)."""
-    listener = "SASL_PLAINTEXT" if secrets else "PLAINTEXT"
-    protocol = "SASL_PLAINTEXT" if secrets else "PLAINTEXT"
+    plaintext and open (the test cluster's nodes). With ``tls`` too, the client listener is
+    SASL over TLS (decision 035); the controller's stays on loopback without it, since no
+    client reaches it."""
+    if tls and not secrets:
+        raise ValueError("TLS on the local broker comes with SASL: pass its secrets too")
+    controller_protocol = "SASL_PLAINTEXT" if secrets else "PLAINTEXT"
+    listener = "SASL_SSL" if tls else controller_protocol
     return {
         "process.roles": "broker,controller",
         "node.id": str(node_id),
@@ -180,9 +304,10 @@ def kraft_properties(
         "listeners": f"{listener}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
         "advertised.listeners": f"{listener}://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": f"{listener}:{protocol},CONTROLLER:{protocol}",
+        "listener.security.protocol.map": f"{listener}:{listener},CONTROLLER:{controller_protocol}",
         "inter.broker.listener.name": listener,
-        **(_sasl_properties(secrets) if secrets else {}),
+        **(_sasl_properties(secrets, listener) if secrets else {}),
+        **(tls.properties() if tls else {}),
         "log.dirs": str(log_dir),
         "num.partitions": "1",
         "offsets.topic.replication.factor": str(replication),
@@ -232,8 +357,40 @@ def _write_kafka_config(settings: Settings) -> Path:
         voters=f"1@127.0.0.1:{c}",
         log_dir=kafka_data(settings),
         secrets=_broker_secrets(settings),
+        tls=broker_tls(settings),
     )
     return write_properties(conf / "server.properties", properties)
+
+
+#: What a running broker must have been started with to serve these settings' clients.
+_LISTENING_KEYS = ("listeners", "ssl.keystore.location", "ssl.truststore.location")
+
+
+def kafka_config_stale(settings: Settings) -> str | None:
+    """Why the running broker's ``server.properties`` no longer fits ``settings`` (TLS turned
+    on or off, another keystore or CA), or None. A broker started otherwise would only look
+    unhealthy to clients that now speak another protocol."""
+    path = kafka_conf(settings) / "server.properties"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    running = dict(line.split("=", 1) for line in lines if "=" in line)
+    c = settings.kafka_controller_port
+    wanted = kraft_properties(
+        node_id=1,
+        port=settings.kafka_port,
+        controller_port=c,
+        voters=f"1@127.0.0.1:{c}",
+        log_dir=kafka_data(settings),
+        secrets=BrokerSecrets(admin_password="", controller_password=""),
+        tls=broker_tls(settings),
+    )
+    for key in _LISTENING_KEYS:
+        if running.get(key) != wanted.get(key):
+            was, now = running.get(key, "(none)"), wanted.get(key, "(none)")
+            return f"it runs with {key}={was}, the settings ask for {now}"
+    return None
 
 
 def ensure_principals(settings: Settings) -> None:
