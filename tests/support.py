@@ -298,6 +298,7 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
         # would on the stack; the test process itself is the broker's admin.
         OPLEDGER_KAFKA_SECURITY=settings.kafka_security_protocol,
         OPLEDGER_KAFKA_PASSWORD_DIR=str(settings.kafka_password_directory),
+        OPLEDGER_KAFKA_CA_FILE=settings.kafka_ca_file,
         OPLEDGER_TOPIC_PREFIX=settings.topic_prefix,
         OPLEDGER_PARTITIONS=str(settings.partitions),
         OPLEDGER_REPLICATION_FACTOR=str(settings.replication_factor),

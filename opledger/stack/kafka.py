@@ -251,26 +251,59 @@ _PLAIN = "org.apache.kafka.common.security.plain.PlainLoginModule required"
 _SCRAM = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
 
 
+def _plain_login(user: str, password: str) -> str:
+    """The PLAIN login of a broker's listener: the one user it knows, which is also who the
+    broker signs in as when it is the client (inter-broker, controller)."""
+    if not re.fullmatch(r"[!#-\[\]-~]+", password):
+        # A quote, a backslash or a space would end the JAAS value early or change its meaning.
+        raise ValueError(
+            f"the Kafka password of {user} must be printable ASCII without quotes, "
+            "backslashes or spaces"
+        )
+    return f'{_PLAIN} username="{user}" password="{password}" user_{user}="{password}";'
+
+
+def plain_client(user: str, password: str) -> str:
+    """A Kafka client's ``sasl.jaas.config`` for PLAIN (Kafka's own tools, as the admin)."""
+    _plain_login(user, password)  # the same refusal of a password JAAS cannot hold
+    return f'{_PLAIN} username="{user}" password="{password}";'
+
+
+#: The broker's SASL settings that hold no secret: the same in ``server.properties`` and in
+#: docker-compose.yml (whose logins are in a JAAS file, :func:`broker_jaas`).
+SASL_BROKER_SETTINGS = {
+    "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
+    "sasl.mechanism.inter.broker.protocol": "PLAIN",
+    "sasl.mechanism.controller.protocol": "PLAIN",
+    "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+    "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+    "super.users": f"User:{ADMIN};User:controller",
+    # Deny what no ACL allows: a principal (or a user created later) starts with nothing.
+    "allow.everyone.if.no.acl.found": "false",
+}
+
+
+def broker_jaas(secrets: BrokerSecrets, listener: str = "SASL_PLAINTEXT") -> str:
+    """The logins of :func:`_sasl_properties` as a JAAS file, for a broker configured without
+    secrets in its properties (the apache/kafka image takes its settings from environment
+    variables, which ``docker inspect`` shows): one context per listener."""
+    admin = _plain_login(ADMIN, secrets.admin_password)
+    controller = _plain_login("controller", secrets.controller_password)
+    return (
+        f"{listener.lower()}.KafkaServer {{\n    {admin}\n    {_SCRAM}\n}};\n"
+        f"controller.KafkaServer {{\n    {controller}\n}};\n"
+    )
+
+
 def _sasl_properties(secrets: BrokerSecrets, listener: str) -> dict[str, str]:
-    admin, controller = secrets.admin_password, secrets.controller_password
     name = listener.lower()
     return {
-        "sasl.enabled.mechanisms": "SCRAM-SHA-512,PLAIN",
-        "sasl.mechanism.inter.broker.protocol": "PLAIN",
-        "sasl.mechanism.controller.protocol": "PLAIN",
-        f"listener.name.{name}.plain.sasl.jaas.config": (
-            f'{_PLAIN} username="{ADMIN}" password="{admin}" user_{ADMIN}="{admin}";'
-        ),
+        **SASL_BROKER_SETTINGS,
+        f"listener.name.{name}.plain.sasl.jaas.config": _plain_login(ADMIN, secrets.admin_password),
         f"listener.name.{name}.scram-sha-512.sasl.jaas.config": _SCRAM,
-        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-        "listener.name.controller.plain.sasl.jaas.config": (
-            f'{_PLAIN} username="controller" password="{controller}" '
-            f'user_controller="{controller}";'
+        "listener.name.controller.plain.sasl.jaas.config": _plain_login(
+            "controller", secrets.controller_password
         ),
-        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-        "super.users": f"User:{ADMIN};User:controller",
-        # Deny what no ACL allows: a principal (or a user created later) starts with nothing.
-        "allow.everyone.if.no.acl.found": "false",
     }
 
 
@@ -383,7 +416,8 @@ def kafka_config_stale(settings: Settings) -> str | None:
         controller_port=c,
         voters=f"1@127.0.0.1:{c}",
         log_dir=kafka_data(settings),
-        secrets=BrokerSecrets(admin_password="", controller_password=""),
+        # Only the listeners are compared: any password will do.
+        secrets=BrokerSecrets(admin_password="-", controller_password="-"),
         tls=broker_tls(settings),
     )
     for key in _LISTENING_KEYS:

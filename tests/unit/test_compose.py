@@ -69,3 +69,61 @@ def test_the_delivery_worker_may_send_to_the_compose_network_and_no_further() ->
     settings = Settings.from_env({k: str(v) for k, v in delivery.items()})
     subnets = [c["subnet"] for c in compose["networks"]["default"]["ipam"]["config"]]
     assert [str(n) for n in settings.delivery_allowed_networks] == subnets
+
+
+#: The compose services that are Kafka clients, each signing in as its command's role.
+KAFKA_CLIENTS = ("kafka-setup", "projector", "recovery", "delivery", "consumer")
+
+
+def test_the_broker_asks_for_sasl_with_the_local_stacks_settings_and_no_secret_in_its_env() -> None:
+    """The same listeners, mechanisms and authorizer as `opledger stack up`'s broker
+    (decision 029), its logins in a mounted JAAS file rather than its environment."""
+    from opledger.stack.kafka import SASL_BROKER_SETTINGS  # noqa: PLC0415
+    from tests.compose_support import image_properties  # noqa: PLC0415
+
+    kafka = _compose()["services"]["kafka"]
+    properties = image_properties(kafka["environment"])
+    assert {k: properties.get(k) for k in SASL_BROKER_SETTINGS} == SASL_BROKER_SETTINGS
+    listeners = properties["listener.security.protocol.map"].split(",")
+    assert sorted(listeners) == ["CONTROLLER:SASL_PLAINTEXT", "SASL_PLAINTEXT:SASL_PLAINTEXT"]
+    assert properties["advertised.listeners"] == "SASL_PLAINTEXT://kafka:9092"
+    assert not any("jaas" in k or "password" in k for k in properties), properties
+    jaas = "-Djava.security.auth.login.config=/run/secrets/kafka-server-jaas.conf"
+    assert jaas in kafka["environment"]["KAFKA_OPTS"].split()
+    mounted = {s["target"] for s in kafka["secrets"]}
+    assert mounted == {"kafka-server-jaas.conf", "kafka-admin-client.properties"}
+    health = " ".join(kafka["healthcheck"]["test"])
+    assert "--command-config /run/secrets/kafka-admin-client.properties" in health
+
+
+def test_every_kafka_client_signs_in_as_its_role_with_its_own_password_file(
+    tmp_path: Path,
+) -> None:
+    from ledger.kafka_access import PRINCIPALS  # noqa: PLC0415
+    from opledger.kafka_admin import write_broker_files  # noqa: PLC0415
+
+    compose = _compose()
+    made = {p.name for p in write_broker_files(Settings(home=tmp_path), tmp_path / "k")}
+    declared = compose["secrets"]
+    for name, secret in declared.items():
+        if name.startswith("kafka_"):
+            assert secret["file"].startswith("./secrets/kafka/"), secret
+            assert secret["file"].removeprefix("./secrets/kafka/") in made, secret
+    for name in KAFKA_CLIENTS:
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        assert not set(env) - _known_variables(), name
+        settings = Settings.from_env(env)
+        assert settings.kafka_security_protocol == "sasl_plaintext", name
+        assert settings.kafka_password_directory == Path("/run/secrets"), name
+        args = build_parser().parse_args(service["command"][1:])
+        principal = settings.as_kafka_role(args.kafka_role).kafka_user
+        mounts = {s["target"]: s["source"] for s in service["secrets"] if isinstance(s, dict)}
+        assert mounts.get(f"kafka-{principal}.password") == f"kafka_{principal}", name
+        assert all(source in declared for source in mounts.values()), name
+        if name != "kafka-setup":
+            assert service["depends_on"]["kafka-setup"] == {
+                "condition": "service_completed_successfully"
+            }, name
+    setup = compose["services"]["kafka-setup"]
+    assert {s["target"] for s in setup["secrets"]} == {f"kafka-{p}.password" for p in PRINCIPALS}
