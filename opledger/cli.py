@@ -27,6 +27,7 @@ from opledger import (
     policy,
     projector,
     recover,
+    replay,
     stack,
     supervisor,
 )
@@ -175,6 +176,7 @@ REGISTRARS: list[Registrar] = [
     policy.register,
     analysts.register,
     kafka_admin.register,
+    replay.register,
     demo.register,
     fake_provider.register,
     consumer.register,

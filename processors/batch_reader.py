@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,12 @@ from confluent_kafka import (
 )
 
 from ledger.codec import Codec, DecodeError
-from ledger.dead_letters import DeadLetterUnavailableError, send_dead_letters
+from ledger.dead_letters import (
+    DeadLetterUnavailableError,
+    by_reference,
+    needs_reference,
+    send_dead_letters,
+)
 from ledger.domain.events import LedgerEvent, PolicyChanged
 from ledger.faults import fault_point
 from ledger.kafka import (
@@ -236,8 +241,13 @@ class BatchProjector:
         *,
         max_backoff_s: float = 5.0,
         fetch_stall_s: float = FETCH_STALL_S,
+        rebuild: bool = False,
     ) -> None:
+        """``rebuild``: a replay into a database of its own (``opledger replay``), which
+        writes nothing to the log: its dead letters are stored as they would have been
+        published, and it commits no group offset."""
         self._settings = settings
+        self._rebuild = rebuild
         self._config = reader_config(settings)
         self._sink = sink
         self._codec = codec
@@ -288,13 +298,14 @@ class BatchProjector:
                 "error_cb": self._on_client_error,
             },
         )
-        self._dlq = RawWriter(
-            self._settings,
-            client_id="opledger-projector-dlq",
-            delivery_timeout_s=30.0,
-            linger_ms=5,
-            on_client_error=self._on_client_error,
-        )
+        if not self._rebuild:
+            self._dlq = RawWriter(
+                self._settings,
+                client_id="opledger-projector-dlq",
+                delivery_timeout_s=30.0,
+                linger_ms=5,
+                on_client_error=self._on_client_error,
+            )
         metadata = consumer.list_topics(timeout=10)
         assignment: list[TopicPartition] = []
         stored = self._sink.positions(self._config.consumer_name, self._config.topics)
@@ -339,6 +350,50 @@ class BatchProjector:
                 self.run_once()
         finally:
             self.close()
+
+    def rebuild_to(
+        self,
+        cut: Mapping[tuple[str, int], int],
+        on_progress: Callable[[int], None],
+        timeout_s: float,
+    ) -> None:
+        """Fold from the stored positions (none, in a fresh database) until every partition of
+        ``cut`` has been read up to its offset; ``on_progress`` hears how many of the cut's
+        records are folded. Records past the cut may be folded too: ``projections.compare``
+        leaves what they touched out."""
+        self._consumer = self._open_patiently()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._reached(cut):
+                if time.monotonic() > deadline:
+                    raise ProjectorError(
+                        f"the rebuild did not reach the cut within {timeout_s:.0f}s: "
+                        + listed(
+                            [
+                                f"{t}[{p}]: {self._positions.get((t, p), 0)} < {end}"
+                                for (t, p), end in sorted(cut.items())
+                                if self._positions.get((t, p), 0) < end
+                            ]
+                        )
+                    )
+                self.run_once()
+                on_progress(sum(min(self._positions.get(key, 0), end) for key, end in cut.items()))
+        finally:
+            self.close()
+
+    def _reached(self, cut: Mapping[tuple[str, int], int]) -> bool:
+        if self._pending is not None or self._waiting:
+            return False
+        assert self._consumer is not None
+        # The fetch position too: past a transaction's commit marker, which is no record.
+        fetched = {
+            (tp.topic, tp.partition): tp.offset
+            for tp in self._consumer.position([TopicPartition(t, p) for t, p in cut])
+        }
+        return all(
+            max(self._positions.get(key, 0), fetched.get(key, -1)) >= end
+            for key, end in cut.items()
+        )
 
     def close(self) -> None:
         self._close_clients()
@@ -513,7 +568,10 @@ class BatchProjector:
                 policy.append(read.item)
             c = read.coordinates
             next_offsets[(c.topic, c.partition)] = c.offset + 1
-        if dead:
+        if dead and self._rebuild:
+            # As the live projector stored them: the original stays on its topic either way.
+            dead = [by_reference(d) if needs_reference(d) else d for d in dead]
+        elif dead:
             dead = self._publish_dead_letters(dead)
         batch = ProjectionBatch(
             events,
@@ -529,10 +587,11 @@ class BatchProjector:
         committed = {k: report.rewind.get(k, n) for k, n in next_offsets.items()}
         assert self._consumer is not None
         try:
-            self._consumer.commit(
-                offsets=[TopicPartition(t, p, n) for (t, p), n in committed.items()],
-                asynchronous=True,
-            )
+            if not self._rebuild:
+                self._consumer.commit(
+                    offsets=[TopicPartition(t, p, n) for (t, p), n in committed.items()],
+                    asynchronous=True,
+                )
         except KafkaException as exc:  # informational offsets only; PostgreSQL holds the truth
             log.debug("kafka offset commit skipped: %s", exc)
         self._positions.update(committed)
