@@ -286,8 +286,13 @@ def _compare(
 def _print(report: Report, out: TextIO) -> None:
     from ledger.domain.display import displayable  # noqa: PLC0415
 
-    cut = ", ".join(f"{k} {v}" for k, v in report.cut.items() if v)
-    out.write(f"replay: cut {cut or '(every topic empty)'}; {report.records:,} records\n")
+    by_topic: dict[str, list[str]] = {}
+    for label, offset in report.cut.items():
+        topic, _, partition = label.rpartition("[")
+        by_topic.setdefault(topic, []).append(f"[{partition.rstrip(']')}]{offset}")
+    out.write(f"replay: cut at {report.records:,} records, the topics' ends when it started:\n")
+    for topic, ends in by_topic.items():
+        out.write(f"  {topic} {' '.join(ends)}\n")
     if report.fold_seconds:
         rate = report.records / report.fold_seconds if report.fold_seconds else 0
         out.write(
@@ -319,14 +324,22 @@ def _print(report: Report, out: TextIO) -> None:
         f"result store: {report.results_checked} result_refs the log names, "
         f"{len(report.results_wrong)} missing or altered\n"
     )
-    for wrong in report.results_wrong:
+    for wrong in report.results_wrong[: compare_shown()]:
         out.write(f"  {wrong['tenant']} {wrong['result_ref']}: {wrong['problem']}\n")
+    if len(report.results_wrong) > compare_shown():
+        out.write(f"  and {len(report.results_wrong) - compare_shown()} more (--json has all)\n")
     out.write("not rebuilt, because not history: " + "; ".join(report.not_history) + "\n")
     out.write(
         "replay: every projection equal at the cut\n"
         if report.equal
         else "replay: the projections differ from the log (above)\n"
     )
+
+
+def compare_shown() -> int:
+    from projections.compare import SHOWN  # noqa: PLC0415
+
+    return SHOWN
 
 
 def replay_command(args: argparse.Namespace, settings: Settings) -> int:

@@ -10,7 +10,10 @@ altered afterwards is altered by hand in the live database, as a careless or hos
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -23,8 +26,16 @@ from ledger.tools import ProviderTerms
 from opledger.fakes.memory import MemoryProvider
 from opledger.fakes.model import Mode
 from producers import TransitionRecorder
-from tests.process_support import run_cli
-from tests.support import env_for, produce, project_in_process, read_all, workload_events
+from tests.process_support import ROOT, kill, run_cli, start_cli
+from tests.support import (
+    env_for,
+    free_port,
+    produce,
+    project_in_process,
+    read_all,
+    wait_caught_up,
+    workload_events,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -162,3 +173,46 @@ def test_altered_rows_are_named_with_the_offsets_that_should_have_made_them(
         if name not in ("agent_operations", "operation_history")
     }
     assert set(others.values()) == {0}, others
+
+
+def test_a_replay_under_traffic_compares_at_its_cut_and_counts_what_moved_on(
+    isolated: Settings, tmp_path: Path
+) -> None:
+    """Services keep appending and the live projector (a process of its own) keeps folding
+    while the replay runs: it still finds everything equal, and says how many operations
+    changed after its cut, rather than reading the live side's progress as differences."""
+    produce(isolated, workload_events(3000, seed=3))
+    port = free_port()
+    env = env_for(isolated, PYTHONPATH=str(ROOT), OPLEDGER_PROJECTOR_WEB_PORT=str(port))
+    projector = start_cli(["projector", "run"], env, tmp_path / "projector.log")
+    stop = threading.Event()
+    later = workload_events(3000, seed=4)
+
+    def keep_appending() -> None:
+        # New operations, appended before and after the replay takes its cut.
+        for start in range(0, len(later), 50):
+            if stop.is_set():
+                return
+            produce(isolated, later[start : start + 50])
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=keep_appending)
+    try:
+        wait_caught_up(isolated, timeout=120)
+        writer.start()
+        code, report, _progress = _replay(isolated)
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+        kill(projector)
+    tables = _tables(report)
+    assert {name: t["mismatches"] for name, t in tables.items()} == dict.fromkeys(tables, 0), (
+        json.dumps(report, indent=1)
+    )
+    # Compared: everything below the cut, which holds at least the first 3,000 operations.
+    assert tables["agent_operations"]["replay_rows"] >= 3000
+    cut = sum(report["cut"].values())
+    assert tables["operation_history"]["replay_rows"] == cut
+    # The made-up workload's results are the only findings beside the tables.
+    assert {w["problem"] for w in report["results_wrong"]} <= {"not in the result store"}
+    assert code == (1 if report["results_wrong"] else 0)

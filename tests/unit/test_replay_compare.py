@@ -80,3 +80,40 @@ def test_a_report_is_equal_only_with_no_difference_anywhere() -> None:
     report.results_wrong = []
     report.live_behind = "behind"
     assert not report.equal
+
+
+def test_the_printed_report_groups_the_cut_by_topic_and_names_each_difference() -> None:
+    from opledger.replay import _print  # noqa: PLC0415
+
+    report = Report(
+        database="d",
+        cut={"p.execution.v1[0]": 5, "p.execution.v1[1]": 0, "p.policy.v1[0]": 2},
+        records=7,
+    )
+    report.tables = [
+        {
+            "table": "agent_operations",
+            "live_rows": 3,
+            "replay_rows": 3,
+            "mismatches": 1,
+            "note": "",
+            "differences": [
+                {
+                    "key": ["op_1"],
+                    "what": "differs",
+                    "log_offsets": ["p.execution.v1[0]@1", "p.execution.v1[0]@2"],
+                    "live_offsets": ["p.execution.v1[0]@1"],
+                }
+            ],
+        }
+    ]
+    out = io.StringIO()
+    _print(report, out)
+    text = out.getvalue()
+    assert "  p.execution.v1 [0]5 [1]0\n" in text and "  p.policy.v1 [0]2\n" in text
+    assert "agent_operations" in text and "1 differ" in text
+    assert (
+        "op_1: differs; the log's offsets p.execution.v1[0]@1, p.execution.v1[0]@2; "
+        "live made by p.execution.v1[0]@1"
+    ) in text
+    assert text.rstrip().endswith("replay: the projections differ from the log (above)")
