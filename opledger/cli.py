@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 from ledger.settings import Settings, SettingsError
 from opledger import (
     analysts,
+    audit,
     consumer,
     db,
     deliver,
@@ -177,6 +178,7 @@ REGISTRARS: list[Registrar] = [
     analysts.register,
     kafka_admin.register,
     replay.register,
+    audit.register,
     demo.register,
     fake_provider.register,
     consumer.register,

@@ -208,3 +208,36 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
     assert {t for t, w in writers if w == "delivery"} == {settings.delivery_topic}, writers
     assert {t for t, w in writers if w == "recovery"} == {settings.execution_topic}, writers
     assert {t for t, w in writers if w == "demo"} == {settings.policy_topic}, writers
+
+    # The auditor's question, "execution or delivery?", for every retry of the run, answered
+    # from the topics: each audit's timeline is exactly the operation's records there.
+    on_topics: dict[str, list[tuple[str, int, int]]] = {}
+    for topic in (settings.execution_topic, settings.delivery_topic):
+        for partition, offset, key, _value, _headers in read_with_headers(settings, topic):
+            on_topics.setdefault((key or b"").decode(), []).append((topic, partition, offset))
+    with psycopg.connect(settings.dsn) as conn:
+        retried = conn.execute(
+            "SELECT o.operation_id, o.tenant_id, o.attempt > 1, "
+            "coalesce(bool_or(d.attempts > 1), false) FROM agent_operations o "
+            "LEFT JOIN deliveries d USING (operation_id) GROUP BY 1, 2, 3 "
+            "HAVING o.attempt > 1 OR bool_or(d.attempts > 1)"
+        ).fetchall()
+    assert any(executed for _op, _t, executed, _resent in retried), retried
+    for op, tenant, executed, resent in retried:
+        answered = subprocess.run(
+            [sys.executable, "-m", "opledger.cli", "audit", op, "--tenant", tenant, "--json"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert answered.returncode == 0, answered.stdout + answered.stderr
+        audit = json.loads(answered.stdout)
+        timeline = [(line["topic"], line["partition"], line["offset"]) for line in audit["lines"]]
+        assert sorted(timeline) == sorted(on_topics[op]), op
+        assert audit["disagreements"] == [], audit
+        sentences = " ".join(audit["retries"])
+        assert ("was an execution retry" in sentences) == executed, (op, audit["retries"])
+        assert ("were delivery retries" in sentences) == resent, (op, audit["retries"])
