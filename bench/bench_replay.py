@@ -7,7 +7,10 @@ test; needs the local stack (``opledger stack up``).
 2. Timed, replay: ``opledger.replay.replay`` as the command runs it (a fresh database, the
    projector's fold with ``rebuild=True`` up to the cut, then the comparison with the live one).
    Its fold and its comparison are reported apart.
-3. Timed, baseline: a raw confluent-kafka ``consume(5000, 0.05)`` of every record from offset 0
+3. Timed, audits: ``opledger.audit.audit`` of operations sampled from the live projection,
+   in this process (the log's part and the whole call), and ``opledger audit`` as a command
+   (Python's start included) for a few of them (issue 20's goal: under 1 s among 1,000,000).
+4. Timed, baseline: a raw confluent-kafka ``consume(5000, 0.05)`` of every record from offset 0
    (no decode), then the same rows ``COPY``-ed into a fresh database (``bench_projector``'s
    ``raw_write``, the faster of text and binary).
 
@@ -20,7 +23,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
+import random
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
@@ -29,7 +38,52 @@ from bench_projector import drain, fold_in_memory, raw_write, workload_events
 from benchenv import isolated, produce_all
 from ledger.log import end_offsets, new_consumer
 from ledger.settings import Settings
+from opledger.audit import audit
 from opledger.replay import replay
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_audits(settings: Settings, samples: int, seed: int) -> None:
+    """Audits of sampled operations: in process, then as the command."""
+    from ledger import pg  # noqa: PLC0415
+
+    with pg.connect(settings.dsn, name="bench-audit", read_only=True) as conn:
+        ops = conn.execute("SELECT operation_id, tenant_id FROM agent_operations").fetchall()
+    picked = random.Random(seed).sample(ops, min(samples, len(ops)))
+    reads, calls, events = [], [], []
+    for op, tenant in picked:
+        started = time.perf_counter()
+        result = audit(settings, op, tenant)
+        calls.append(time.perf_counter() - started)
+        assert result is not None and not result.disagreements, (op, result)
+        reads.append(result.read_seconds)
+        events.append(len(result.lines))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OPLEDGER_TOPIC_PREFIX": settings.topic_prefix,
+        "OPLEDGER_PG_DATABASE": settings.pg_database,
+    }
+    commands = []
+    for op, tenant in picked[:5]:
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "opledger.cli", "audit", op, "--tenant", tenant],
+            env=env,
+            capture_output=True,
+            check=False,
+        )
+        commands.append(time.perf_counter() - started)
+        assert done.returncode == 0, done.stderr
+    print(
+        f"audit: {len(picked)} operations ({statistics.median(events):.0f} events median): "
+        f"the log's part p50 {statistics.median(reads) * 1000:.0f} ms, max "
+        f"{max(reads) * 1000:.0f} ms; the call p50 {statistics.median(calls) * 1000:.0f} ms, "
+        f"max {max(calls) * 1000:.0f} ms; the command (Python's start included) p50 "
+        f"{statistics.median(commands):.2f} s, max {max(commands):.2f} s (goal < 1 s)",
+        flush=True,
+    )
 
 
 def raw_consume(settings: Settings) -> tuple[float, int]:
@@ -55,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("-n", "--events", type=int, default=200_000, help="events to replay")
     parser.add_argument("--seed", type=int, default=7, help="workload seed")
+    parser.add_argument("--audits", type=int, default=20, help="operations to audit")
     args = parser.parse_args()
 
     base = Settings.from_env()
@@ -72,6 +127,8 @@ def main() -> None:
             f"them at {n / live_s:,.0f} events/s)",
             flush=True,
         )
+
+        time_audits(settings, args.audits, args.seed)
 
         started = time.perf_counter()
         report = replay(

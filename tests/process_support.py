@@ -16,16 +16,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
-    """``python -m opledger.cli ARGV`` with ``env``, run to its end (two minutes at most), its
-    output captured: a command as an operator types it."""
+def run_cli(
+    env: dict[str, str], *argv: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -m opledger.cli ARGV`` with ``env``, run to its end (``timeout`` seconds at
+    most), its output captured: a command as an operator types it."""
     return subprocess.run(
         [sys.executable, "-m", "opledger.cli", *argv],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 

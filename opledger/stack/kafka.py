@@ -379,19 +379,24 @@ def _broker_secrets(settings: Settings) -> BrokerSecrets:
     return BrokerSecrets(admin_password=read(ADMIN), controller_password=read("controller"))
 
 
-def _write_kafka_config(settings: Settings) -> Path:
-    conf = kafka_conf(settings)
-    conf.mkdir(parents=True, exist_ok=True)
+def _local_properties(settings: Settings, secrets: BrokerSecrets) -> dict[str, str]:
+    """The local stack's single node, as ``settings`` describe it."""
     c = settings.kafka_controller_port
-    properties = kraft_properties(
+    return kraft_properties(
         node_id=1,
         port=settings.kafka_port,
         controller_port=c,
         voters=f"1@127.0.0.1:{c}",
         log_dir=kafka_data(settings),
-        secrets=_broker_secrets(settings),
+        secrets=secrets,
         tls=broker_tls(settings),
     )
+
+
+def _write_kafka_config(settings: Settings) -> Path:
+    conf = kafka_conf(settings)
+    conf.mkdir(parents=True, exist_ok=True)
+    properties = _local_properties(settings, _broker_secrets(settings))
     return write_properties(conf / "server.properties", properties)
 
 
@@ -409,17 +414,8 @@ def kafka_config_stale(settings: Settings) -> str | None:
     except OSError:
         return None
     running = dict(line.split("=", 1) for line in lines if "=" in line)
-    c = settings.kafka_controller_port
-    wanted = kraft_properties(
-        node_id=1,
-        port=settings.kafka_port,
-        controller_port=c,
-        voters=f"1@127.0.0.1:{c}",
-        log_dir=kafka_data(settings),
-        # Only the listeners are compared: any password will do.
-        secrets=BrokerSecrets(admin_password="-", controller_password="-"),
-        tls=broker_tls(settings),
-    )
+    # Only the listeners are compared: any password will do.
+    wanted = _local_properties(settings, BrokerSecrets(admin_password="-", controller_password="-"))
     for key in _LISTENING_KEYS:
         if running.get(key) != wanted.get(key):
             was, now = running.get(key, "(none)"), wanted.get(key, "(none)")

@@ -10,8 +10,6 @@ trusts another CA, is refused by the broker's listener.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from uuid import uuid4
@@ -106,29 +104,13 @@ def test_the_demo_runs_over_tls_with_an_openssl_key_and_clients_without_it_are_r
     own_env: dict[str, str], tmp_path: Path
 ) -> None:
     env = _with_certificate(own_env, openssl_pem_keystore(tmp_path / "certs"))
-    up = subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "stack", "up"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+    up = run_cli(env, "stack", "up", timeout=400)
     assert up.returncode == 0, up.stdout + up.stderr
     user = Settings.from_env(env)
     properties = (kafka_conf(user) / "server.properties").read_text()
     assert f"SASL_SSL://127.0.0.1:{env['OPLEDGER_KAFKA_PORT']}" in properties
 
-    demo = subprocess.run(
-        [sys.executable, "-m", "opledger.cli", "demo", "--operations", "40"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        check=False,
-    )
+    demo = run_cli(env, "demo", "--operations", "40", timeout=420)
     assert demo.returncode == 0, f"stdout:\n{demo.stdout}\nstderr:\n{demo.stderr}"
     assert "every invariant held" in demo.stdout, demo.stdout
     assert "operations lost or unfinished: 0 of 40" in demo.stdout, demo.stdout

@@ -25,6 +25,7 @@ from ledger.codec import default_codec
 from ledger.settings import Settings
 from opledger import stack, supervisor
 from opledger.fakes.http_provider import FakeProviderControl
+from tests.process_support import run_cli
 from tests.support import (
     assert_projection_matches,
     env_for,
@@ -82,30 +83,14 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
     settings = _private(isolated, tmp_path)
     with _supervised(settings, tmp_path) as env:
         assert stack.wait_workers_ready(settings, lambda _line: None, timeout=120)
-        result = subprocess.run(
-            [sys.executable, "-m", "opledger.cli", "demo", "--operations", str(OPERATIONS)],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=420,
-            check=False,
-        )
+        result = run_cli(env, "demo", "--operations", str(OPERATIONS), timeout=420)
         out = result.stdout
         assert result.returncode == 0, f"stdout:\n{out}\nstderr:\n{result.stderr}"
         stats = FakeProviderControl.of(settings).stats()
         delivery = supervisor.read_status(settings)["workers"]["delivery"]
         # The auditor's check of the same run: every projection rebuilt from the log equals
         # the live one, with the live projector still running.
-        replayed = subprocess.run(
-            [sys.executable, "-m", "opledger.cli", "replay", "--json"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        replayed = run_cli(env, "replay", "--json", timeout=300)
         assert replayed.returncode == 0, replayed.stdout + replayed.stderr
         replay = json.loads(replayed.stdout)
         assert replay["equal"] is True
@@ -224,15 +209,7 @@ def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
         ).fetchall()
     assert any(executed for _op, _t, executed, _resent in retried), retried
     for op, tenant, executed, resent in retried:
-        answered = subprocess.run(
-            [sys.executable, "-m", "opledger.cli", "audit", op, "--tenant", tenant, "--json"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        answered = run_cli(env, "audit", op, "--tenant", tenant, "--json", timeout=60)
         assert answered.returncode == 0, answered.stdout + answered.stderr
         audit = json.loads(answered.stdout)
         timeline = [(line["topic"], line["partition"], line["offset"]) for line in audit["lines"]]
