@@ -63,7 +63,7 @@ def _read_at(
     partitions' ends, by coordinates."""
     from confluent_kafka import TopicPartition  # noqa: PLC0415
 
-    from ledger.log import new_consumer  # noqa: PLC0415
+    from ledger.log import new_consumer, read_range, watermarks  # noqa: PLC0415
 
     consumer = new_consumer(
         settings,
@@ -88,30 +88,12 @@ def _read_at(
             if run_start is not None and previous is not None:
                 ranges.append((topic, partition, run_start, previous + 1))
         for (topic, partition), start in sorted(tails.items()):
-            _low, end = consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=10, cached=False
-            )
+            _low, end = watermarks(consumer, TopicPartition(topic, partition), deadline)
             if end > start:
                 ranges.append((topic, partition, start, end))
         for topic, partition, start, end in ranges:
-            consumer.assign([TopicPartition(topic, partition, start)])
-            position = start
-            while position < end:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{topic}[{partition}] was not read to {end} within {READ_TIMEOUT_S}s"
-                    )
-                for message in consumer.consume(min(500, end - position), 0.5):
-                    if message.error() is not None:
-                        continue
-                    offset = int(message.offset() or 0)
-                    position = max(position, offset + 1)
-                    if offset < end:
-                        found[(topic, partition, offset)] = message
-                # Past a transaction's commit marker, which is no record.
-                (tp,) = consumer.position([TopicPartition(topic, partition)])
-                position = max(position, int(tp.offset))
-            consumer.unassign()
+            for message in read_range(consumer, (topic, partition), start, end, deadline):
+                found[(topic, partition, int(message.offset() or 0))] = message
     finally:
         consumer.close()
     return found
@@ -340,6 +322,9 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "audit",
         help="one operation's timeline from the topics, each retry named execution or delivery",
+        epilog="opledger audit export --tenant T --out DIR [--since] [--until]: a tenant's "
+        "records with a manifest; opledger audit verify DIR: prove such an export complete and "
+        "unaltered against the topics",
     )
     parser.add_argument("operation_id", type=arguments.operation_id, help="the operation")
     parser.add_argument("--tenant", required=True, type=arguments.tenant, help="its tenant")

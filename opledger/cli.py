@@ -23,6 +23,7 @@ from opledger import (
     db,
     deliver,
     demo,
+    export,
     kafka_admin,
     ops,
     policy,
@@ -179,6 +180,7 @@ REGISTRARS: list[Registrar] = [
     kafka_admin.register,
     replay.register,
     audit.register,
+    export.register,
     demo.register,
     fake_provider.register,
     consumer.register,
@@ -213,9 +215,20 @@ def _resolve(handler: Handler | str) -> Handler:
     return resolved
 
 
+#: Words after a command that name a command of their own: ``opledger audit export`` is
+#: ``audit-export``, since no operation id ``opledger audit OP`` takes can be "export".
+ROUTED = {"audit": export.SUBCOMMANDS}
+
+
+def _routed(argv: list[str]) -> list[str]:
+    if len(argv) >= 2 and argv[1] in ROUTED.get(argv[0], {}):
+        return [ROUTED[argv[0]][argv[1]], *argv[2:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``opledger`` console script."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_routed(list(sys.argv[1:] if argv is None else argv)))
     try:
         settings = Settings.from_env()
         # The Kafka principal of the command's role (ledger.kafka_access), unless

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -192,6 +192,80 @@ def latest_offsets(
     if missing:
         raise LogUnavailableError(f"no end offset for {missing} from {bootstrap}")
     return latest
+
+
+def offsets_at(
+    consumer: Consumer,
+    keys: Sequence[tuple[str, int]],
+    timestamp_ms: int,
+    ends: dict[tuple[str, int], int],
+    deadline: float,
+    *,
+    bootstrap: str = "the broker",
+) -> dict[tuple[str, int], int]:
+    """Each partition's first offset whose record time is at or after ``timestamp_ms`` (its
+    end in ``ends`` when no record is that late), asked in one ListOffsets request per broker."""
+    if not keys:
+        return {}
+
+    def ask() -> list[Any]:
+        return list(
+            consumer.offsets_for_times(
+                [TopicPartition(t, p, timestamp_ms) for t, p in keys],
+                timeout=max(0.5, min(10.0, deadline - time.monotonic())),
+            )
+        )
+
+    answers = ride_out(
+        ask,
+        deadline=deadline,
+        what="the offsets of a time",
+        bootstrap=bootstrap,
+        partitions=keys,
+        refresh=_metadata_of(consumer, [t for t, _p in keys]),
+    )
+    found: dict[tuple[str, int], int] = {}
+    for answer in answers:
+        if answer.error is not None:
+            raise KafkaException(answer.error)
+        key = (answer.topic, answer.partition)
+        found[key] = ends[key] if answer.offset < 0 else min(int(answer.offset), ends[key])
+    return found
+
+
+def read_range(
+    consumer: Consumer,
+    where: tuple[str, int],
+    start: int,
+    end: int,
+    deadline: float,
+    *,
+    batch: int = 500,
+) -> Iterator[Any]:
+    """Every record of ``where`` (topic, partition) from offset ``start`` up to ``end``, in
+    order, as the consumer reads them (read_committed: an aborted transaction's records and
+    every commit marker leave gaps in the offsets). Raises ``TimeoutError`` past ``deadline``."""
+    topic, partition = where
+    consumer.assign([TopicPartition(topic, partition, start)])
+    position = start
+    try:
+        while position < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}[{partition}] was not read to {end} in time")
+            for message in consumer.consume(min(batch, end - position), 0.5):
+                if (error := message.error()) is not None:
+                    if error.fatal():
+                        raise KafkaException(error)
+                    continue
+                offset = int(message.offset() or 0)
+                position = max(position, offset + 1)
+                if start <= offset < end:
+                    yield message
+            # Past a transaction's commit marker, which is no record.
+            (tp,) = consumer.position([TopicPartition(topic, partition)])
+            position = max(position, int(tp.offset))
+    finally:
+        consumer.unassign()
 
 
 def end_offsets(
