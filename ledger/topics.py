@@ -225,12 +225,11 @@ def _verify(
     _verify_cleanup(admin, specs, timeout, bootstrap)
 
 
-def _verify_cleanup(
-    admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstrap: str
-) -> None:
-    # A policy topic left with "delete" would lose grants to retention; a log topic with
-    # "compact" would lose history to compaction. Either is refused, not silently used.
-    resources = [ConfigResource(ResourceType.TOPIC, s.name) for s in specs]
+def topic_configs(
+    admin: AdminClient, names: list[str], timeout: float, bootstrap: str
+) -> dict[str, dict[str, str | None]]:
+    """Each topic's configuration as the brokers state it (their defaults included)."""
+    resources = [ConfigResource(ResourceType.TOPIC, name) for name in names]
 
     def describe() -> dict[str, Any]:
         return {
@@ -246,10 +245,21 @@ def _verify_cleanup(
         what="the topics' configurations",
         bootstrap=bootstrap,
     )
+    return {
+        name: {key: entry.value for key, entry in entries.items()}
+        for name, entries in described.items()
+    }
+
+
+def _verify_cleanup(
+    admin: AdminClient, specs: list[TopicSpec], timeout: float, bootstrap: str
+) -> None:
+    # A policy topic left with "delete" would lose grants to retention; a log topic with
+    # "compact" would lose history to compaction. Either is refused, not silently used.
+    described = topic_configs(admin, [s.name for s in specs], timeout, bootstrap)
     for spec in specs:
         want = spec.config.get("cleanup.policy")
-        entry = described[spec.name].get("cleanup.policy")
-        actual = None if entry is None else entry.value
+        actual = described[spec.name].get("cleanup.policy")
         if want is not None and actual != want:
             raise TopicError(
                 f"topic {spec.name} has cleanup.policy={actual} but opledger needs {want}; "

@@ -19,6 +19,7 @@ from ledger.settings import Settings, SettingsError
 from opledger import (
     analysts,
     audit,
+    backup,
     consumer,
     db,
     deliver,
@@ -181,6 +182,7 @@ REGISTRARS: list[Registrar] = [
     replay.register,
     audit.register,
     export.register,
+    backup.register,
     demo.register,
     fake_provider.register,
     consumer.register,

@@ -55,8 +55,15 @@ class Report:
 class Progress:
     """A bar with a rate and an ETA on a terminal; a line every few seconds otherwise."""
 
-    def __init__(self, total: int, out: TextIO, clock: Callable[[], float] = time.monotonic):
-        self._total, self._out, self._clock = total, out, clock
+    def __init__(
+        self,
+        total: int,
+        out: TextIO,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        label: str = "replay",
+    ):
+        self._total, self._out, self._clock, self._label = total, out, clock, label
         self._started = clock()
         self._shown_at = 0.0
         self._tty = out.isatty()
@@ -72,7 +79,7 @@ class Progress:
         eta = (self._total - done) / rate if rate > 0 else float("inf")
         bar = "#" * int(share * 30)
         line = (
-            f"replay: [{bar:<30}] {share:4.0%} {done:,} of {self._total:,} records, "
+            f"{self._label}: [{bar:<30}] {share:4.0%} {done:,} of {self._total:,} records, "
             f"{rate:,.0f}/s, ETA {eta:,.0f} s"
         )
         if self._tty:
@@ -123,19 +130,45 @@ def _policy_offsets_on_topic(
     return found
 
 
+def rebuild_into(
+    settings: Settings,
+    dsn: str,
+    cut: dict[tuple[str, int], int],
+    bar: Progress,
+    timeout_s: float,
+) -> float:
+    """Fold the log from the positions stored in ``dsn`` (none, in a fresh database) to
+    ``cut`` with the projector's own fold, under ``settings.projector_group``'s name, writing
+    nothing to the log; returns the seconds it took."""
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from ledger.codec import default_codec  # noqa: PLC0415
+    from ledger.metrics import Metrics  # noqa: PLC0415
+    from processors.batch_reader import BatchProjector  # noqa: PLC0415
+    from projections.writer import PostgresProjection  # noqa: PLC0415
+
+    sink = PostgresProjection.connect(dsn)
+    try:
+        projector = BatchProjector(
+            settings, sink, default_codec(), Metrics.create(CollectorRegistry()), rebuild=True
+        )
+        started = time.monotonic()
+        projector.rebuild_to(cut, bar, timeout_s=timeout_s)
+        seconds = time.monotonic() - started
+        bar(sum(cut.values()), final=True)
+        return seconds
+    finally:
+        sink.close()
+
+
 def replay(settings: Settings, args: argparse.Namespace, progress_out: TextIO) -> Report:
     """Rebuild, compare, and say what was found (the database is dropped unless kept)."""
-    from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from psycopg import sql  # noqa: PLC0415
     from psycopg.conninfo import make_conninfo  # noqa: PLC0415
 
     from ledger import pg  # noqa: PLC0415
-    from ledger.codec import default_codec  # noqa: PLC0415
     from ledger.log import end_offsets  # noqa: PLC0415
-    from ledger.metrics import Metrics  # noqa: PLC0415
-    from processors.batch_reader import BatchProjector  # noqa: PLC0415
     from projections import compare, progress  # noqa: PLC0415
-    from projections.writer import PostgresProjection  # noqa: PLC0415
 
     topics = (settings.execution_topic, settings.delivery_topic, settings.policy_topic)
     cut = end_offsets(settings, topics)
@@ -148,22 +181,10 @@ def replay(settings: Settings, args: argparse.Namespace, progress_out: TextIO) -
     with pg.connect(admin_dsn, name="opledger-replay") as admin:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
-        sink = PostgresProjection.connect(replay_dsn)
-        try:
-            projector = BatchProjector(
-                settings.with_(projector_group=REPLAY_CONSUMER),
-                sink,
-                default_codec(),
-                Metrics.create(CollectorRegistry()),
-                rebuild=True,
-            )
-            started = time.monotonic()
-            bar = Progress(report.records, progress_out)
-            projector.rebuild_to(cut, bar, timeout_s=args.timeout)
-            report.fold_seconds = time.monotonic() - started
-            bar(report.records, final=True)
-        finally:
-            sink.close()
+        bar = Progress(report.records, progress_out)
+        report.fold_seconds = rebuild_into(
+            settings.with_(projector_group=REPLAY_CONSUMER), replay_dsn, cut, bar, args.timeout
+        )
         # The live projector must have folded everything below the cut, or its lag would
         # read as differences.
         deadline = time.monotonic() + args.timeout

@@ -8,15 +8,9 @@ record of the delivery worker's SIGKILL and restart."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -25,63 +19,22 @@ from ledger.codec import default_codec
 from ledger.settings import Settings
 from opledger import stack, supervisor
 from opledger.fakes.http_provider import FakeProviderControl
+from tests.demo_support import private_demo_settings, supervised
 from tests.process_support import run_cli
 from tests.support import (
     assert_projection_matches,
-    env_for,
-    free_port,
     independent_fold,
     read_with_headers,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = 60
-
-
-def _private(isolated: Settings, tmp_path: Path) -> Settings:
-    return isolated.with_(
-        home=tmp_path / "home",
-        projector_web_port=free_port(),
-        recovery_web_port=free_port(),
-        recovery_group=f"{isolated.topic_prefix}-recovery",
-        delivery_web_port=free_port(),
-        delivery_group=f"{isolated.topic_prefix}-delivery",
-        consumer_web_port=free_port(),
-        consumer_pg_dsn=isolated.dsn,
-        fake_provider_url=f"http://127.0.0.1:{free_port()}",
-        # As `make demo` runs: loopback is allowed by the stack's supervisor, not by the
-        # tests' settings.
-        delivery_allow_networks="",
-    )
-
-
-@contextlib.contextmanager
-def _supervised(settings: Settings, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The stack's supervisor for ``settings``' home, as `stack up` starts it; its environment."""
-    stack.ensure_consumer_secret(settings)
-    env = env_for(settings, PYTHONPATH=str(ROOT))
-    with (tmp_path / "supervisor.out").open("ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "opledger.supervisor"],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield env
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def test_the_demo_runs_the_real_workers_and_every_invariant_holds(
     isolated: Settings, tmp_path: Path
 ) -> None:
-    settings = _private(isolated, tmp_path)
-    with _supervised(settings, tmp_path) as env:
+    settings = private_demo_settings(isolated, tmp_path)
+    with supervised(settings, tmp_path) as env:
         assert stack.wait_workers_ready(settings, lambda _line: None, timeout=120)
         result = run_cli(env, "demo", "--operations", str(OPERATIONS), timeout=420)
         out = result.stdout
