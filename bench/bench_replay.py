@@ -10,7 +10,9 @@ test; needs the local stack (``opledger stack up``).
 3. Timed, audits: ``opledger.audit.audit`` of operations sampled from the live projection,
    in this process (the log's part and the whole call), and ``opledger audit`` as a command
    (Python's start included) for a few of them (issue 20's goal: under 1 s among 1,000,000).
-4. Timed, baseline: a raw confluent-kafka ``consume(5000, 0.05)`` of every record from offset 0
+4. Timed, the floor: the same events' bytes decoded and validated, then folded in memory, in
+   this process with neither Kafka nor PostgreSQL: what a one-process rebuild cannot go below.
+5. Timed, baseline: a raw confluent-kafka ``consume(5000, 0.05)`` of every record from offset 0
    (no decode), then the same rows ``COPY``-ed into a fresh database (``bench_projector``'s
    ``raw_write``, the faster of text and binary).
 
@@ -31,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
@@ -105,6 +108,25 @@ def raw_consume(settings: Settings) -> tuple[float, int]:
         consumer.close()
 
 
+def cpu_floor(events: list[Any], coords: list[tuple[str, int, int]]) -> tuple[float, float]:
+    """Seconds to decode and validate the events' bytes (what every rebuild does to every
+    record, so a bad one is dead-lettered as the live projector would) and to fold them in
+    memory: the work of a rebuild with the log and the database taken away. Each decoded event
+    is dropped as the rebuild drops a folded batch (a million kept alive would time the
+    garbage collector's passes over them instead)."""
+    from ledger.codec import default_codec  # noqa: PLC0415
+
+    codec = default_codec()
+    values = [codec.encode(event) for event in events]
+    started = time.perf_counter()
+    for value in values:
+        codec.decode(value)
+    decode_s = time.perf_counter() - started
+    started = time.perf_counter()
+    fold_in_memory(events, coords)
+    return decode_s, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("-n", "--events", type=int, default=200_000, help="events to replay")
@@ -158,6 +180,26 @@ def main() -> None:
             f"raw: consume() {consumed:,} records in {consume_s:.2f}s, "
             f"{'binary' if binary else 'text'} COPY {history_s + upsert_s:.2f}s "
             f"= {raw_rate:,.0f} events/s",
+            flush=True,
+        )
+        decode_s, fold_s = cpu_floor(events, coords)
+        n_events = len(events)
+        per_event_us = {
+            "decode and validate": decode_s,
+            "fold": fold_s,
+            "consume": consume_s,
+            "COPY": history_s + upsert_s,
+        }
+        parts = ", ".join(f"{k} {v / n_events * 1e6:.1f}" for k, v in per_event_us.items())
+        cpu_us = sum(per_event_us.values()) / n_events * 1e6
+        client_us = cpu_us - per_event_us["COPY"] / n_events * 1e6
+        cores = os.cpu_count() or 1
+        print(
+            f"floor: per event, each part measured alone in this run (us): {parts}; "
+            f"{cpu_us:.1f} us in all (COPY's time counted whole). One process decoding, "
+            f"folding and consuming: at most {1e6 / client_us:,.0f} events/s; all of it on "
+            f"{cores} cores shared perfectly: at most {cores * 1e6 / cpu_us:,.0f} events/s "
+            "(goal 50,000)",
             flush=True,
         )
         print(

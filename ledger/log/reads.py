@@ -151,6 +151,35 @@ def _metadata_of(consumer: Consumer, topics: Sequence[str]) -> Callable[[], None
 _LATEST = -1
 
 
+def _list_offsets(
+    consumer: Consumer,
+    keys: Sequence[tuple[str, int]],
+    timestamp_ms: int,
+    deadline: float,
+    *,
+    bootstrap: str,
+    what: str,
+) -> list[Any]:
+    """One ListOffsets request per broker for ``keys`` at ``timestamp_ms``, ridden out."""
+
+    def ask() -> list[Any]:
+        return list(
+            consumer.offsets_for_times(
+                [TopicPartition(t, p, timestamp_ms) for t, p in keys],
+                timeout=max(0.5, min(10.0, deadline - time.monotonic())),
+            )
+        )
+
+    return ride_out(
+        ask,
+        deadline=deadline,
+        what=what,
+        bootstrap=bootstrap,
+        partitions=keys,
+        refresh=_metadata_of(consumer, [t for t, _p in keys]),
+    )
+
+
 def latest_offsets(
     consumer: Consumer,
     keys: Sequence[tuple[str, int]],
@@ -163,22 +192,8 @@ def latest_offsets(
     partition whose answer carries an error is asked again, alone, for its watermarks."""
     if not keys:
         return {}
-
-    def ask() -> list[Any]:
-        return list(
-            consumer.offsets_for_times(
-                [TopicPartition(t, p, _LATEST) for t, p in keys],
-                timeout=max(0.5, min(10.0, deadline - time.monotonic())),
-            )
-        )
-
-    answers = ride_out(
-        ask,
-        deadline=deadline,
-        what="the log's ends",
-        bootstrap=bootstrap,
-        partitions=keys,
-        refresh=_metadata_of(consumer, [t for t, _p in keys]),
+    answers = _list_offsets(
+        consumer, keys, _LATEST, deadline, bootstrap=bootstrap, what="the log's ends"
     )
     latest: dict[tuple[str, int], int] = {}
     for answer in answers:
@@ -207,22 +222,8 @@ def offsets_at(
     end in ``ends`` when no record is that late), asked in one ListOffsets request per broker."""
     if not keys:
         return {}
-
-    def ask() -> list[Any]:
-        return list(
-            consumer.offsets_for_times(
-                [TopicPartition(t, p, timestamp_ms) for t, p in keys],
-                timeout=max(0.5, min(10.0, deadline - time.monotonic())),
-            )
-        )
-
-    answers = ride_out(
-        ask,
-        deadline=deadline,
-        what="the offsets of a time",
-        bootstrap=bootstrap,
-        partitions=keys,
-        refresh=_metadata_of(consumer, [t for t, _p in keys]),
+    answers = _list_offsets(
+        consumer, keys, timestamp_ms, deadline, bootstrap=bootstrap, what="a time's offsets"
     )
     found: dict[tuple[str, int], int] = {}
     for answer in answers:

@@ -270,12 +270,29 @@ def _settle(
 ) -> tuple[Observed, float]:
     """Read until nothing is unsettled or the deadline passes; the last reading and the
     seconds it took."""
+    import psycopg  # noqa: PLC0415
+
     from opledger.demo.observe import unsettled  # noqa: PLC0415
 
     started = last = time.monotonic()
+    unreachable = ""
     while True:
         runner.watch_delivery()
-        observed = _observe(settings, announced, control)
+        try:
+            observed = _observe(settings, announced, control)
+        except psycopg.OperationalError as exc:
+            # A database restarting (or crashed and recovering) is waited for, as the
+            # workers wait for it, until the deadline.
+            if time.monotonic() > deadline:
+                raise DemoError(f"PostgreSQL did not come back in time: {exc}") from None
+            if not unreachable:
+                echo("  PostgreSQL does not answer: waiting for it, as the workers do")
+            unreachable = str(exc)
+            time.sleep(SETTLE_POLL_S)
+            continue
+        if unreachable:
+            echo("  PostgreSQL answers again")
+            unreachable = ""
         waiting = unsettled(observed)
         elapsed = time.monotonic() - started
         if not waiting:

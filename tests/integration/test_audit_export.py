@@ -173,6 +173,14 @@ def test_an_export_is_verified_and_every_alteration_fails(
     ]
 
 
+def _window(settings: Settings, since: datetime, until: datetime, out: Path) -> Any:
+    return run_cli(
+        env_for(settings),
+        *("audit", "export", "--tenant", "acme", "--since", since.isoformat()),
+        *("--until", until.isoformat(), "--out", str(out)),
+    )
+
+
 def test_since_and_until_choose_the_ranges_by_the_records_times(
     isolated: Settings, tmp_path: Path
 ) -> None:
@@ -195,35 +203,11 @@ def test_since_and_until_choose_the_ranges_by_the_records_times(
                 ]
             )
     out = tmp_path / "window"
-    made = run_cli(
-        env_for(isolated),
-        "audit",
-        "export",
-        "--tenant",
-        "acme",
-        "--since",
-        marks[0].isoformat(),
-        "--until",
-        marks[1].isoformat(),
-        "--out",
-        str(out),
-    )
+    made = _window(isolated, marks[0], marks[1], out)
     assert made.returncode == 0, made.stderr
     exported = {line["event"]["operation_id"] for line in _lines(out)}
     assert exported == set(batches[1])
     code, verdict = _verify(isolated, out)
     assert (code, verdict["records"]) == (0, 12), verdict
-    backwards = run_cli(
-        env_for(isolated),
-        "audit",
-        "export",
-        "--tenant",
-        "acme",
-        "--since",
-        marks[1].isoformat(),
-        "--until",
-        marks[0].isoformat(),
-        "--out",
-        str(tmp_path / "backwards"),
-    )
+    backwards = _window(isolated, marks[1], marks[0], tmp_path / "backwards")
     assert backwards.returncode == 2 and "--since must be before --until" in backwards.stderr

@@ -9,7 +9,6 @@ trusts another CA, is refused by the broker's listener.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from uuid import uuid4
@@ -21,8 +20,8 @@ from ledger.kafka import connection_config
 from ledger.settings import Settings
 from opledger import stack
 from opledger.stack.home import kafka_conf
-from tests.process_support import ROOT, run_cli
-from tests.support import free_port
+from tests.own_stack_support import own_stack_env
+from tests.process_support import run_cli
 from tests.tls_support import (
     BrokerCertificate,
     keytool_pkcs12_keystore,
@@ -31,36 +30,6 @@ from tests.tls_support import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def _home_with_jars(stack_settings: Settings, home: Path) -> None:
-    """A new home that reuses the shared stack's broker jars rather than run Maven."""
-    version = f"kafka-{stack_settings.kafka_version}"
-    shared = stack_settings.home / version
-    (home / version).mkdir(parents=True)
-    (home / version / "libs").symlink_to(shared / "libs")
-    shutil.copy2(shared / "jars.complete", home / version / "jars.complete")
-
-
-def _user_env(home: Path) -> dict[str, str]:
-    """The environment a user types commands in: a home of its own on free ports."""
-    import os  # noqa: PLC0415
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPLEDGER_")}
-    env.update(
-        OPLEDGER_HOME=str(home),
-        OPLEDGER_KAFKA_PORT=str(free_port()),
-        OPLEDGER_KAFKA_CONTROLLER_PORT=str(free_port()),
-        OPLEDGER_PG_PORT=str(free_port()),
-        OPLEDGER_PROJECTOR_WEB_PORT=str(free_port()),
-        OPLEDGER_RECOVERY_WEB_PORT=str(free_port()),
-        OPLEDGER_DELIVERY_WEB_PORT=str(free_port()),
-        OPLEDGER_CONSUMER_WEB_PORT=str(free_port()),
-        OPLEDGER_FAKE_PROVIDER_URL=f"http://127.0.0.1:{free_port()}",
-        PYTHONPATH=str(ROOT),
-        PYTHONUNBUFFERED="1",
-    )
-    return env
 
 
 def _with_certificate(env: dict[str, str], certificate: BrokerCertificate) -> dict[str, str]:
@@ -78,15 +47,9 @@ def _with_certificate(env: dict[str, str], certificate: BrokerCertificate) -> di
 
 @pytest.fixture
 def own_env(stack_settings: Settings) -> Iterator[dict[str, str]]:
-    """:func:`_user_env` for a new home, whose stack is stopped and removed afterwards."""
-    home = stack_settings.home / "private" / f"tls{uuid4().hex[:10]}"
-    _home_with_jars(stack_settings, home)
-    env = _user_env(home)
-    try:
+    """A stack of the test's own (``tests.own_stack_support``)."""
+    with own_stack_env(stack_settings, "tls") as env:
         yield env
-    finally:
-        stack.down(Settings.from_env(env), echo=lambda _line: None)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def _reaches(settings: Settings, **overrides: str) -> str | None:

@@ -22,7 +22,8 @@ from ledger.settings import Settings
 from opledger import stack, supervisor
 from opledger.stack.workers import workers_changed
 from opledger.workload import Workload
-from tests.support import env_for, free_port, produce, wait_caught_up
+from tests.demo_support import private_demo_settings
+from tests.support import env_for, produce, wait_caught_up
 
 #: A worker whose command line the CLI rejects at once (argparse exits 2).
 BROKEN_SUPERVISOR = (
@@ -34,16 +35,8 @@ BROKEN_SUPERVISOR = (
 def _own_home(isolated: Settings, tmp_path: Path) -> Settings:
     """A home and ports of its own: the shared stack's workers use the default ones. The
     reference consumer keeps its tables in the test's database and its secret in this home."""
-    settings = isolated.with_(
-        home=tmp_path / "home",
-        projector_web_port=free_port(),
-        recovery_web_port=free_port(),
-        recovery_group=f"{isolated.topic_prefix}-recovery",
-        delivery_web_port=free_port(),
-        delivery_group=f"{isolated.topic_prefix}-delivery",
-        consumer_web_port=free_port(),
-        consumer_pg_dsn=isolated.dsn,
-        fake_provider_url=f"http://127.0.0.1:{free_port()}",
+    settings = private_demo_settings(isolated, tmp_path).with_(
+        delivery_allow_networks=isolated.delivery_allow_networks
     )
     stack.ensure_consumer_secret(settings)
     return settings
