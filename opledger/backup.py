@@ -94,8 +94,26 @@ def _pg_tool(name: str) -> str:
     return found
 
 
-def _run(argv: list[str], what: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+def client_arguments(dsn: str) -> tuple[str, dict[str, str]]:
+    """``dsn`` for a PostgreSQL client's ``--dbname``, and the environment its password goes
+    in: a password on a command line is in every process listing of the machine."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: PLC0415
+
+    parts = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    password = parts.pop("password", None)
+    return make_conninfo(**parts), ({"PGPASSWORD": password} if password else {})
+
+
+def _run(argv: list[str], what: str, dsn: str) -> None:
+    """``argv`` with ``--dbname`` for ``dsn`` added (its password in the environment)."""
+    dbname, secret = client_arguments(dsn)
+    result = subprocess.run(
+        [*argv, f"--dbname={dbname}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **secret},
+    )
     if result.returncode != 0:
         from ledger.domain.redact import redact  # noqa: PLC0415
 
@@ -189,7 +207,7 @@ def _dump(dsn: str, tables: list[str], target: Path) -> dict[str, int]:
             counts = {name: _count(conn, name) for name in present}
             argv = [_pg_tool("pg_dump"), "--format=custom", "--data-only", f"--snapshot={snapshot}"]
             argv += [f"--table=public.{name}" for name in present]
-            _run([*argv, f"--file={target}", f"--dbname={dsn}"], "pg_dump")
+            _run([*argv, f"--file={target}"], "pg_dump", dsn)
     os.chmod(target, 0o600)
     return counts
 
@@ -277,10 +295,10 @@ def _load(dump: Path, dsn: str) -> None:
             "--data-only",
             "--single-transaction",
             "--exit-on-error",
-            f"--dbname={dsn}",
             str(dump),
         ],
         "pg_restore",
+        dsn,
     )
 
 
@@ -336,6 +354,13 @@ def restore(settings: Settings, source: Path, progress_out: Any, timeout_s: floa
     report = Restored(database)
     admin_dsn = _on(settings.dsn, "postgres")
     with pg.connect(admin_dsn, name="opledger-restore") as admin:
+        # One restore of a database at a time: a second would drop the first's staging
+        # database under it. The lock is the session's, released when it ends however it ends.
+        (alone,) = admin.execute(
+            "SELECT pg_try_advisory_lock(hashtext(%s))", (f"opledger-restore:{database}",)
+        ).fetchone() or (False,)
+        if not alone:
+            raise BackupError(f"another restore of {database} is running; nothing was changed")
         if _exists(admin, database):
             raise BackupError(
                 f"database {database} exists: a restore builds a database that is gone, never "

@@ -24,6 +24,7 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -32,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ledger.private_files import write_private
 from ledger.settings import Settings
 
 EXIT_VERIFIED = 0
@@ -222,7 +224,9 @@ def export(
     consumer = _consumer(settings, "audit-export")
     deadline = time.monotonic() + timeout_s
     try:
-        with events_path.open("w", encoding="utf-8") as lines:
+        # The tenant's records are its data: readable by the exporter only, as a backup is.
+        descriptor = os.open(events_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as lines:
             for where, message in _tenant_records(consumer, ranges, tenant_id, deadline):
                 fields = raw_fields(message)
                 digests[(where.topic, where.partition)].update(canonical(fields))
@@ -236,7 +240,7 @@ def export(
         where.sha256 = digests[(where.topic, where.partition)].hexdigest()
     manifest.records = sum(r.records for r in ranges)
     manifest.file_sha256 = whole.hexdigest()
-    manifest_path.write_text(json.dumps(asdict(manifest), indent=2) + "\n", encoding="utf-8")
+    write_private(manifest_path, json.dumps(asdict(manifest), indent=2) + "\n")
     return manifest
 
 

@@ -100,6 +100,8 @@ def test_an_export_is_verified_and_every_alteration_fails(
     made = run_cli(env_for(isolated), "audit", "export", "--tenant", "acme", "--out", str(out))
     assert made.returncode == 0, made.stderr
     lines = _lines(out)
+    # The tenant's data, readable by whoever exported it only.
+    assert {(out / n).stat().st_mode & 0o777 for n in ("events.jsonl", "manifest.json")} == {0o600}
     # Complete by the tests' own reader, and nothing of another tenant's.
     assert [(x["topic"], x["partition"], x["offset"]) for x in lines] == sorted(
         _tenant_on_topics(isolated, "acme")

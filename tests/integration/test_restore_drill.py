@@ -140,6 +140,15 @@ def _drill(settings: Settings, tmp_path: Path) -> None:
         refused = run_cli(env, "restore", str(tampered), timeout=60)
         assert refused.returncode == 2 and "not the file the backup wrote" in refused.stderr
 
+        # A restore of the same database already running: a second one changes nothing.
+        with psycopg.connect(admin, autocommit=True) as holder:
+            holder.execute(
+                "SELECT pg_advisory_lock(hashtext(%s))",
+                (f"opledger-restore:{settings.pg_database}",),
+            )
+            busy = run_cli(env, "restore", str(backup_dir), timeout=60)
+        assert busy.returncode == 2 and "another restore" in busy.stderr, busy.stderr
+
         restored = run_cli(env, "restore", str(backup_dir), "--json", timeout=600)
         assert restored.returncode == 0, restored.stdout + restored.stderr
         report = json.loads(restored.stdout)
